@@ -1,0 +1,157 @@
+"""Building blocks of the decoder: RMSNorm, RoPE, grouped-query attention, SwiGLU.
+
+Every parameter carries its logical axes (`logical_axes` metadata) where it is defined; the
+sharding rules in `specjax.sharding` map those names to mesh axes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from specjax.models.cache import write_rows
+from specjax.models.config import ModelConfig, RopeScaling
+
+NEG_INF = -1e30
+
+
+def param(rngs: nnx.Rngs, shape, axes: tuple[str, ...], dtype, std: float | None = 0.02) -> nnx.Param:
+  """A parameter annotated with logical axes; std=None initialises to ones (norm scales)."""
+  assert len(shape) == len(axes), (shape, axes)
+  if std is None:
+    value = jnp.ones(shape, dtype)
+  else:
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+  return nnx.Param(value, logical_axes=tuple(axes))
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float, dtype, *, rngs: nnx.Rngs, axis_name: str = "norm"):
+    self.scale = param(rngs, (dim,), (axis_name,), dtype, std=None)
+    self.eps = eps
+
+  def __call__(self, x):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  # Llama-3: keep high frequencies, divide low ones by `factor`, interpolate in between.
+  low_wavelen = scaling.original_max_position / scaling.low_freq_factor
+  high_wavelen = scaling.original_max_position / scaling.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+      scaling.high_freq_factor - scaling.low_freq_factor)
+  scaled = jnp.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+  mid = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+  is_mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+  return jnp.where(is_mid, mid, scaled)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+  """x [B, T, H, Dh], positions int[B, T]; rotate-half convention (as in HF Llama/Qwen)."""
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, Dh/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """Grouped-query attention. q [B,T,H,Dh], k/v [B,S,Hkv,Dh], mask bool[B,T,S] -> [B,T,H,Dh]."""
+  b, t, h, dh = q.shape
+  hkv = k.shape[2]
+  q = q.reshape(b, t, hkv, h // hkv, dh)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(dh)
+  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, h, dh)
+
+
+class Attention(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, in_dim: int | None = None,
+               in_axis: str = "embed"):
+    d = in_dim or cfg.hidden_size
+    pd, std = cfg.params_dtype, cfg.init_std
+    self.q_proj = param(rngs, (d, cfg.num_heads, cfg.head_dim), (in_axis, "heads", "head_dim"), pd, std)
+    self.k_proj = param(rngs, (d, cfg.num_kv_heads, cfg.head_dim), (in_axis, "kv_heads", "head_dim"),
+                        pd, std)
+    self.v_proj = param(rngs, (d, cfg.num_kv_heads, cfg.head_dim), (in_axis, "kv_heads", "head_dim"),
+                        pd, std)
+    self.o_proj = param(rngs, (cfg.num_heads, cfg.head_dim, cfg.hidden_size),
+                        ("heads", "head_dim", "embed"), pd, std)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, pd, rngs=rngs, axis_name="head_dim")
+      self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_eps, pd, rngs=rngs, axis_name="head_dim")
+    else:
+      self.q_norm = self.k_norm = None
+    self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies fold at trace
+    self.dtype = cfg.compute_dtype
+
+  def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None = None,
+               write_at: jax.Array | None = None):
+    """Returns (out [B,T,d], (k, v)): with `kv` the cache buffers are returned with the new entries
+    written at `write_at[b]`; without it, the fresh k/v of this call."""
+    dt = self.dtype
+    x = x.astype(dt)
+    q = jnp.einsum("btd,dhk->bthk", x, self.q_proj.value.astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k_proj.value.astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v_proj.value.astype(dt))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_frequencies(*self.rope)
+    q = apply_rope(q, positions, inv_freq)
+    k = apply_rope(k, positions, inv_freq)
+    if kv is not None:
+      k = write_rows(kv[0], k, write_at)
+      v = write_rows(kv[1], v, write_at)
+    out = attend(q, k.astype(dt), v.astype(dt), mask)
+    return jnp.einsum("bthk,hkd->btd", out, self.o_proj.value.astype(dt)), (k, v)
+
+
+class MLP(nnx.Module):
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f, pd, std = cfg.hidden_size, cfg.mlp_hidden, cfg.params_dtype, cfg.init_std
+    self.gate = param(rngs, (d, f), ("embed", "mlp"), pd, std)
+    self.up = param(rngs, (d, f), ("embed", "mlp"), pd, std)
+    self.down = param(rngs, (f, d), ("mlp", "embed"), pd, std)
+    self.dtype = cfg.compute_dtype
+
+  def __call__(self, x):
+    dt = self.dtype
+    x = x.astype(dt)
+    g = x @ self.gate.value.astype(dt)
+    u = x @ self.up.value.astype(dt)
+    return (jax.nn.silu(g) * u) @ self.down.value.astype(dt)
+
+
+class DecoderLayer(nnx.Module):
+  """Pre-norm transformer block (attention + SwiGLU, both with residuals)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.params_dtype, rngs=rngs)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.params_dtype, rngs=rngs)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x, positions, mask, kv=None, write_at=None):
+    a, kv = self.attn(self.input_norm(x), positions, mask, kv, write_at)
+    x = x + a.astype(x.dtype)
+    x = x + self.mlp(self.post_attn_norm(x)).astype(x.dtype)
+    return x, kv
+
+
+def causal_mask(positions: jax.Array, key_positions: jax.Array) -> jax.Array:
+  """bool[B, T, S]: query at position p sees keys at positions <= p."""
+  return key_positions[:, None, :] <= positions[:, :, None]
