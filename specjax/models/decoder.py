@@ -49,7 +49,7 @@ class MTPModule(nnx.Module):
 
   def __call__(self, emb, hidden, positions, mask, kv=None, write_at=None):
     x = jnp.concatenate([self.embed_norm(emb), self.hidden_norm(hidden.astype(emb.dtype))], -1)
-    x = x.astype(self.dtype) @ self.proj.value.astype(self.dtype)
+    x = x.astype(self.dtype) @ self.proj[...].astype(self.dtype)
     return self.layer(x, positions, mask, kv, write_at)
 
 
@@ -67,13 +67,13 @@ class Decoder(nnx.Module):
 
   # -- pieces other modules reuse ------------------------------------------------------------
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
-    return jnp.take(self.embed.value, tokens, axis=0).astype(self.cfg.compute_dtype)
+    return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
 
   def head(self, hidden: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
     """Final norm (the decoder's, or `norm`) + LM head, float32 logits."""
     h = (norm or self.final_norm)(hidden)
     dt = self.cfg.compute_dtype
-    w = self.embed.value.T if self.lm_head is None else self.lm_head.value
+    w = self.embed[...].T if self.lm_head is None else self.lm_head[...]
     return jnp.einsum("btd,dv->btv", h.astype(dt), w.astype(dt),
                       preferred_element_type=jnp.float32)
 

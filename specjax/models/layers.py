@@ -36,7 +36,7 @@ class RMSNorm(nnx.Module):
   def __call__(self, x):
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-    return (y * self.scale.value.astype(jnp.float32)).astype(x.dtype)
+    return (y * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None) -> jax.Array:
@@ -105,9 +105,9 @@ class Attention(nnx.Module):
     written at `write_at[b]`; without it, the fresh k/v of this call."""
     dt = self.dtype
     x = x.astype(dt)
-    q = jnp.einsum("btd,dhk->bthk", x, self.q_proj.value.astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k_proj.value.astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v_proj.value.astype(dt))
+    q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     inv_freq = rope_frequencies(*self.rope)
@@ -117,7 +117,7 @@ class Attention(nnx.Module):
       k = write_rows(kv[0], k, write_at)
       v = write_rows(kv[1], v, write_at)
     out = attend(q, k.astype(dt), v.astype(dt), mask)
-    return jnp.einsum("bthk,hkd->btd", out, self.o_proj.value.astype(dt)), (k, v)
+    return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), (k, v)
 
 
 class MLP(nnx.Module):
@@ -131,9 +131,9 @@ class MLP(nnx.Module):
   def __call__(self, x):
     dt = self.dtype
     x = x.astype(dt)
-    g = x @ self.gate.value.astype(dt)
-    u = x @ self.up.value.astype(dt)
-    return (jax.nn.silu(g) * u) @ self.down.value.astype(dt)
+    g = x @ self.gate[...].astype(dt)
+    u = x @ self.up[...].astype(dt)
+    return (jax.nn.silu(g) * u) @ self.down[...].astype(dt)
 
 
 class DecoderLayer(nnx.Module):

@@ -1,0 +1,316 @@
+"""Hugging Face import/export: Qwen3 and Llama checkpoints (config.json + safetensors) <-> Decoder.
+
+Loading reads tensors with numpy (no torch), builds the Decoder abstractly and fills its parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from safetensors.numpy import save_file
+
+from specjax.models.config import DTYPES, ModelConfig, RopeScaling
+from specjax.models.decoder import Decoder, MTPModule
+from specjax.models.tokenizer import HFTokenizer
+
+# architecture -> (model_type, whether the family normalises q and k per head)
+ARCHITECTURES = {"Qwen3ForCausalLM": ("qwen3", True), "LlamaForCausalLM": ("llama", False)}
+MODEL_TYPES = {mt: (arch, qk) for arch, (mt, qk) in ARCHITECTURES.items()}
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                   "special_tokens_map.json")
+Array = np.ndarray
+
+
+# -- config ---------------------------------------------------------------------------------------
+
+def _read_config(path_or_dict) -> tuple[dict, str]:
+  if isinstance(path_or_dict, dict):
+    return path_or_dict, "config.json (dict)"
+  file = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
+  if not os.path.exists(file):
+    raise FileNotFoundError(f"Hugging Face import: {file} does not exist")
+  with open(file) as f:
+    return json.load(f), file
+
+
+def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
+  """RoPE theta and scaling from either layout: transformers >= 5 writes `rope_parameters`,
+  older checkpoints `rope_theta` + `rope_scaling`."""
+  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+  kind = params.get("rope_type", params.get("type", "default"))
+  if kind == "default":
+    return theta, None
+  if kind != "llama3":
+    raise ValueError(f"{source}: RoPE type {kind!r} is not supported (supported: default, llama3)")
+  return theta, RopeScaling(factor=float(params["factor"]),
+                            low_freq_factor=float(params["low_freq_factor"]),
+                            high_freq_factor=float(params["high_freq_factor"]),
+                            original_max_position=int(params["original_max_position_embeddings"]))
+
+
+def config_from_hf(path_or_dict, **overrides) -> ModelConfig:
+  """ModelConfig of a Qwen3 or Llama checkpoint: a directory, its config.json, or the parsed dict.
+  `overrides` replace ModelConfig fields (dtype, param_dtype, aux_layers, mtp, ...)."""
+  hf, source = _read_config(path_or_dict)
+  archs = hf.get("architectures") or []
+  arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"), (None,))[0]
+  if arch not in ARCHITECTURES:
+    raise ValueError(f"{source}: unsupported architecture {archs or None} (model_type "
+                     f"{hf.get('model_type')!r}); supported: {sorted(ARCHITECTURES)}")
+  unsupported = {"hidden_act": ("silu", hf.get("hidden_act", "silu")),
+                 "attention_bias": (False, bool(hf.get("attention_bias", False))),
+                 "mlp_bias": (False, bool(hf.get("mlp_bias", False))),
+                 "use_sliding_window": (False, bool(hf.get("use_sliding_window", False)))}
+  for name, (want, got) in unsupported.items():
+    if want != got:
+      raise ValueError(f"{source}: {arch} with {name}={got!r} is not supported (needs {want!r})")
+  theta, scaling = _rope(hf, source)
+  heads = int(hf["num_attention_heads"])
+  cfg = ModelConfig(
+      vocab_size=int(hf["vocab_size"]),
+      hidden_size=int(hf["hidden_size"]),
+      num_layers=int(hf["num_hidden_layers"]),
+      num_heads=heads,
+      num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+      head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
+      mlp_hidden=int(hf["intermediate_size"]),
+      rope_theta=theta,
+      rope_scaling=scaling,
+      rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      qk_norm=ARCHITECTURES[arch][1],
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  return cfg.replace(**overrides) if overrides else cfg
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+  """config.json contents for `cfg` (Qwen3 when it uses q/k norm, else Llama); legacy RoPE keys,
+  which every transformers version reads."""
+  arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
+  rs = cfg.rope_scaling
+  return {
+      "architectures": [arch], "model_type": ARCHITECTURES[arch][0],
+      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+      "intermediate_size": cfg.mlp_hidden, "hidden_act": "silu", "rms_norm_eps": cfg.rms_eps,
+      "rope_theta": cfg.rope_theta,
+      "rope_scaling": None if rs is None else {
+          "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+          "high_freq_factor": rs.high_freq_factor,
+          "original_max_position_embeddings": rs.original_max_position},
+      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+      "torch_dtype": cfg.param_dtype,
+  }
+
+
+# -- tensor layout --------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+  """One HF tensor: its name and shape, where it lives in the Decoder, and the layout maps."""
+
+  name: str
+  shape: tuple[int, ...]
+  path: tuple[str | int, ...]  # attribute path from the Decoder to the nnx.Param
+  to_ours: Callable[[Array], Array]
+  to_hf: Callable[[Array], Array]
+
+
+def _same(x):
+  return x
+
+
+def _transpose(x):
+  return x.T
+
+
+def tensor_specs(cfg: ModelConfig) -> list[TensorSpec]:
+  """Every tensor of the HF layout of `cfg`. torch Linear weights are [out, in]; ours are [in, out]
+  with the head axes split: q/k/v [d, heads, head_dim], o [heads, head_dim, d]."""
+  d, f, v, dh = cfg.hidden_size, cfg.mlp_hidden, cfg.vocab_size, cfg.head_dim
+
+  def in_proj(h):  # HF [h * dh, d] <-> ours [d, h, dh]
+    return (lambda x: x.T.reshape(d, h, dh)), (lambda x: x.reshape(d, h * dh).T)
+
+  def out_proj(h):  # HF [d, h * dh] <-> ours [h, dh, d]
+    return (lambda x: x.T.reshape(h, dh, d)), (lambda x: x.reshape(h * dh, d).T)
+
+  specs = [TensorSpec("model.embed_tokens.weight", (v, d), ("embed",), _same, _same),
+           TensorSpec("model.norm.weight", (d,), ("final_norm", "scale"), _same, _same)]
+  if not cfg.tie_embeddings:
+    specs.append(TensorSpec("lm_head.weight", (v, d), ("lm_head",), _transpose, _transpose))
+  for i in range(cfg.num_layers):
+    pre, at = f"model.layers.{i}.", ("layers", i, "attn")
+    layer = [
+        ("input_layernorm", (d,), ("layers", i, "input_norm", "scale"), _same, _same),
+        ("post_attention_layernorm", (d,), ("layers", i, "post_attn_norm", "scale"), _same, _same),
+        ("self_attn.q_proj", (cfg.num_heads * dh, d), at + ("q_proj",), *in_proj(cfg.num_heads)),
+        ("self_attn.k_proj", (cfg.num_kv_heads * dh, d), at + ("k_proj",),
+         *in_proj(cfg.num_kv_heads)),
+        ("self_attn.v_proj", (cfg.num_kv_heads * dh, d), at + ("v_proj",),
+         *in_proj(cfg.num_kv_heads)),
+        ("self_attn.o_proj", (d, cfg.num_heads * dh), at + ("o_proj",), *out_proj(cfg.num_heads)),
+        ("mlp.gate_proj", (f, d), ("layers", i, "mlp", "gate"), _transpose, _transpose),
+        ("mlp.up_proj", (f, d), ("layers", i, "mlp", "up"), _transpose, _transpose),
+        ("mlp.down_proj", (d, f), ("layers", i, "mlp", "down"), _transpose, _transpose),
+    ]
+    if cfg.qk_norm:
+      layer += [("self_attn.q_norm", (dh,), at + ("q_norm", "scale"), _same, _same),
+                ("self_attn.k_norm", (dh,), at + ("k_norm", "scale"), _same, _same)]
+    specs += [TensorSpec(pre + n + ".weight", s, p, a, b) for n, s, p, a, b in layer]
+  return specs
+
+
+def _variable(model: Decoder, path) -> nnx.Variable:
+  obj = model
+  for p in path:
+    obj = obj[p] if isinstance(p, int) else getattr(obj, p)
+  return obj
+
+
+# -- loading --------------------------------------------------------------------------------------
+
+def _tensor_files(path: str) -> dict[str, str]:
+  """Tensor name -> shard file: from model.safetensors.index.json, else from every *.safetensors."""
+  index = os.path.join(path, INDEX_FILE)
+  if os.path.exists(index):
+    with open(index) as f:
+      weight_map = json.load(f)["weight_map"]
+    for file in sorted(set(weight_map.values())):
+      if not os.path.exists(os.path.join(path, file)):
+        raise FileNotFoundError(f"{index} names the shard {file}, which does not exist in {path}")
+    return {name: os.path.join(path, file) for name, file in weight_map.items()}
+  files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+  if not files:
+    raise FileNotFoundError(f"Hugging Face import: no *.safetensors file in {path}")
+  names = {}
+  for file in files:
+    with safe_open(os.path.join(path, file), framework="np") as f:
+      names.update({name: os.path.join(path, file) for name in f.keys()})
+  return names
+
+
+def _ignorable(name: str, cfg: ModelConfig) -> bool:
+  # Old Llama exports carry RoPE buffers; tied checkpoints sometimes keep a copy of the embedding.
+  return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
+
+
+def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
+                    device_put: Callable[[Array, tuple[str, ...]], jax.Array] | None = None,
+                    seed: int = 0, **overrides) -> Decoder:
+  """The Decoder of a local Hugging Face directory (config.json + safetensors shards).
+
+  `dtype` is the compute dtype, `param_dtype` (default: `dtype`) the stored one. The model is built
+  abstractly (nnx.eval_shape) and every parameter is set once from the checkpoint, so no random
+  weights are materialised. `device_put(array, logical_axes)` places each converted host array
+  (default: jnp.asarray on the default device); pass a sharded put to load straight into a mesh.
+  `overrides` replace ModelConfig fields; with mtp=True the MTP module (not in HF checkpoints) is
+  freshly initialised from `seed`. The tokenizer is separate: `load_tokenizer(path)`.
+  """
+  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+    if value is not None and value not in DTYPES:
+      raise ValueError(f"load_pretrained: {name} must be one of {sorted(DTYPES)}, got {value!r}")
+  cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
+  files = _tensor_files(path)
+  specs = tensor_specs(cfg)
+  missing = [s.name for s in specs if s.name not in files]
+  if missing:
+    shards = sorted({os.path.basename(f) for f in files.values()})
+    raise ValueError(f"{path}: tensor {missing[0]!r} not found in {shards}"
+                   + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+  expected = {s.name for s in specs}
+  unexpected = sorted(n for n in files if n not in expected and not _ignorable(n, cfg))
+  if unexpected:
+    raise ValueError(f"{path}: tensors with no place in the {cfg.num_layers}-layer decoder: "
+                     f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+
+  model = nnx.eval_shape(lambda: Decoder(cfg.replace(mtp=False), rngs=nnx.Rngs(seed)))
+  put = device_put or (lambda x, axes: jnp.asarray(x))
+  by_file: dict[str, list[TensorSpec]] = {}
+  for s in specs:
+    by_file.setdefault(files[s.name], []).append(s)
+  for file, file_specs in by_file.items():
+    with safe_open(file, framework="np") as f:
+      for s in file_specs:
+        tensor = f.get_tensor(s.name)
+        if tuple(tensor.shape) != s.shape:
+          raise ValueError(f"{file}: tensor {s.name!r} has shape {tuple(tensor.shape)}, expected "
+                           f"{s.shape} from config.json")
+        var = _variable(model, s.path)
+        value = np.ascontiguousarray(s.to_ours(tensor)).astype(var.get_value().dtype, copy=False)
+        var.set_value(put(value, var.logical_axes))
+  for p, var in nnx.to_flat_state(nnx.state(model)):
+    if isinstance(var.get_value(), jax.ShapeDtypeStruct):  # the layout table missed a parameter
+      raise RuntimeError(f"load_pretrained: parameter {p} has no Hugging Face tensor")
+  if cfg.mtp:
+    model.mtp = MTPModule(cfg, rngs=nnx.Rngs(seed))
+  model.cfg = cfg
+  return model
+
+
+def load_tokenizer(path: str) -> HFTokenizer:
+  """The tokenizer of a Hugging Face directory (tokenizer.json, with ids from its config files)."""
+  return HFTokenizer(path)
+
+
+# -- export ---------------------------------------------------------------------------------------
+
+def save_pretrained(model: Decoder, path: str, *, max_shard_bytes: int = 4 << 30,
+                    tokenizer_from: str | None = None) -> list[str]:
+  """Writes `model` as a Hugging Face checkpoint that transformers and `load_pretrained` read:
+  config.json, model.safetensors (or model-0000i-of-0000n.safetensors shards + index when larger
+  than `max_shard_bytes`), and the tokenizer files copied from `tokenizer_from`. The MTP module has
+  no HF layout and is not written. Returns the written file names."""
+  cfg = model.cfg
+  if model.mtp is not None:
+    warnings.warn("save_pretrained: the MTP module has no Hugging Face layout; not written")
+  os.makedirs(path, exist_ok=True)
+  specs = tensor_specs(cfg)
+  itemsize = np.dtype(cfg.params_dtype).itemsize
+  shards: list[list[TensorSpec]] = [[]]
+  size = 0
+  for s in specs:
+    nbytes = int(np.prod(s.shape)) * itemsize
+    if shards[-1] and size + nbytes > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append(s)
+    size += nbytes
+  n = len(shards)
+  names = ["model.safetensors"] if n == 1 else [
+      f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+  weight_map = {}
+  for name, shard in zip(names, shards):
+    tensors = {}
+    for s in shard:
+      ours = np.asarray(jax.device_get(_variable(model, s.path).get_value()))
+      tensors[s.name] = np.ascontiguousarray(s.to_hf(ours))
+      weight_map[s.name] = name
+    save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
+  written = list(names)
+  if n > 1:
+    with open(os.path.join(path, INDEX_FILE), "w") as f:
+      total = sum(int(np.prod(s.shape)) * itemsize for s in specs)
+      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    written.append(INDEX_FILE)
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump(config_to_hf(cfg), f, indent=2)
+  written.append("config.json")
+  for file in TOKENIZER_FILES if tokenizer_from else ():
+    src = os.path.join(tokenizer_from, file)
+    if os.path.exists(src):
+      with open(src, "rb") as fin, open(os.path.join(path, file), "wb") as fout:
+        fout.write(fin.read())
+      written.append(file)
+  return written
