@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from specjax.models.config import DTYPES, ModelConfig, RopeScaling
+from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.decoder import Decoder, MTPModule
 from specjax.models.tokenizer import HFTokenizer
 
@@ -218,9 +218,6 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
   `overrides` replace ModelConfig fields; with mtp=True the MTP module (not in HF checkpoints) is
   freshly initialised from `seed`. The tokenizer is separate: `load_tokenizer(path)`.
   """
-  for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
-    if value is not None and value not in DTYPES:
-      raise ValueError(f"load_pretrained: {name} must be one of {sorted(DTYPES)}, got {value!r}")
   cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
   files = _tensor_files(path)
   specs = tensor_specs(cfg)
@@ -235,27 +232,32 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
     raise ValueError(f"{path}: tensors with no place in the {cfg.num_layers}-layer decoder: "
                      f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
 
-  model = nnx.eval_shape(lambda: Decoder(cfg.replace(mtp=False), rngs=nnx.Rngs(seed)))
-  put = device_put or (lambda x, axes: jnp.asarray(x))
   by_file: dict[str, list[TensorSpec]] = {}
   for s in specs:
     by_file.setdefault(files[s.name], []).append(s)
+  for file, file_specs in by_file.items():  # headers only: fail before reading any weight
+    with safe_open(file, framework="np") as f:
+      for s in file_specs:
+        shape = tuple(f.get_slice(s.name).get_shape())
+        if shape != s.shape:
+          raise ValueError(f"{file}: tensor {s.name!r} has shape {shape}, expected {s.shape} "
+                           "from config.json")
+
+  model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
+  put = device_put or (lambda x, axes: jnp.asarray(x))
+  if cfg.mtp:  # small (one layer): initialise for real and copy into the abstract model
+    fresh = MTPModule(cfg, rngs=nnx.Rngs(seed))
+    for p, var in nnx.to_flat_state(nnx.state(fresh)):
+      _variable(model.mtp, p).set_value(put(np.asarray(var.get_value()), var.logical_axes))
   for file, file_specs in by_file.items():
     with safe_open(file, framework="np") as f:
       for s in file_specs:
-        tensor = f.get_tensor(s.name)
-        if tuple(tensor.shape) != s.shape:
-          raise ValueError(f"{file}: tensor {s.name!r} has shape {tuple(tensor.shape)}, expected "
-                           f"{s.shape} from config.json")
         var = _variable(model, s.path)
-        value = np.ascontiguousarray(s.to_ours(tensor)).astype(var.get_value().dtype, copy=False)
+        value = np.ascontiguousarray(s.to_ours(f.get_tensor(s.name))).astype(var.get_value().dtype, copy=False)
         var.set_value(put(value, var.logical_axes))
   for p, var in nnx.to_flat_state(nnx.state(model)):
     if isinstance(var.get_value(), jax.ShapeDtypeStruct):  # the layout table missed a parameter
       raise RuntimeError(f"load_pretrained: parameter {p} has no Hugging Face tensor")
-  if cfg.mtp:
-    model.mtp = MTPModule(cfg, rngs=nnx.Rngs(seed))
-  model.cfg = cfg
   return model
 
 
