@@ -12,6 +12,7 @@ import pytest
 
 from specjax.sampling.processing import process_logits
 from specjax.sampling.rejection import VerifyResult, verify
+import stats
 from stats import assert_same_distribution, pair_index
 
 NUM_ROWS = 200_000
@@ -24,8 +25,8 @@ SETTINGS = {
   "top_p_0.8": dict(temperature=0.9, top_p=0.8),
 }
 DRAFTS = ["random", "adversarial", "equal", "one_hot", "deterministic"]
-# 3 checks per (setting, draft) case: 60 checks; Bonferroni: family-wise false-failure rate
-# <= 60 * ALPHA = 0.6%. The seeds are fixed, so a pass is reproducible; a broken verifier gives
+# 3 checks per (setting, draft) case + 4 bonus checks: 64; Bonferroni: family-wise false-failure
+# rate <= 64 * ALPHA < 0.7%. The seeds are fixed, so a pass is reproducible; a broken verifier gives
 # p-values below 1e-50 at this sample size (see test_skipping_the_residual_correction_...).
 ALPHA = 1e-4
 
@@ -39,22 +40,27 @@ ALPHA = 1e-4
 # first draft was accepted; otherwise the step ended after the first token and the loop's next
 # step samples it from p(. | x1): here drawn directly from the processed next_logits[x1]. The pair
 # must then follow p(x1) p(x2 | x1), which tests the correction at position 0, the conditional
-# at position 1 given an accepted draft (residual at 1 or bonus at K=1) and that mixing the two
-# branches is exact. The count of accepted drafts must follow the exact law computed from
-# min(p, q) along the chain, which catches lossless-but-wasteful verifiers.
+# at position 1 given an accepted first draft (accepted second draft or residual there) and that
+# mixing the two branches is exact. The count of accepted drafts must follow the exact law
+# computed from min(p, q) along the chain, which catches lossless-but-wasteful verifiers.
 
+
+@functools.partial(jax.jit, static_argnames="setting")
+def _process(logits, setting):
+  return process_logits(logits, **dict(setting))
 
 
 @functools.lru_cache(maxsize=None)
 def _case(setting: str, draft: str):
-  """Problem of a (setting, draft) case, seeded by its name: the target chain (logits and the
+  """Problem of a (setting, draft) case, seeded by its index: the target chain (logits and the
   processed probabilities, float64) and the proposal chain q the drafts are drawn from."""
   seed = 10 * DRAFTS.index(draft) + list(SETTINGS).index(setting)
   rng = np.random.default_rng(seed)
   first_logits = (1.2 * rng.standard_normal(VOCAB)).astype(np.float32)
   next_logits = (1.2 * rng.standard_normal((VOCAB, VOCAB))).astype(np.float32)
-  processed = [np.asarray(process_logits(x, **SETTINGS[setting])) for x in (first_logits,
-                                                                            next_logits)]
+  both = np.asarray(_process(np.concatenate([first_logits[None], next_logits]),
+                            tuple(SETTINGS[setting].items())))
+  processed = [both[0], both[1:]]
   if draft == "random":
     q = [_softmax(1.2 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
   elif draft == "adversarial":  # mass on what the target finds unlikely, filtered tokens included
@@ -108,12 +114,12 @@ def _verify_chain(key, first_logits, next_logits, q_first, q_next, drafts, *, se
   probs = jnp.concatenate([jnp.broadcast_to(q_first, (rows, 1, VOCAB)),
                            q_next[drafts[:, :-1]]], axis=1)
   res = verifier(key, target_logits, drafts, None if deterministic else probs, **dict(setting))
-  return res.tokens[:, :2], res.num_accepted
+  return res.tokens, res.num_accepted
 
 
 @functools.lru_cache(maxsize=None)
 def _sampled(setting: str, draft: str, broken: bool = False):
-  """(first, second, num_accepted) of NUM_ROWS verified rows of a case (numpy)."""
+  """(first, second, num_accepted, tokens) of NUM_ROWS verified rows of a case (numpy)."""
   first_logits, next_logits, q_first, q_next, _, p_next = _case(setting, draft)
   seed = 1000 + 10 * DRAFTS.index(draft) + list(SETTINGS).index(setting)
   rng = np.random.default_rng(seed)
@@ -131,7 +137,7 @@ def _sampled(setting: str, draft: str, broken: bool = False):
   first = tokens[:, 0]
   continuation = _sample_rows(rng, p_next[first])
   second = np.where(num_accepted >= 1, tokens[:, 1], continuation)
-  return first, second, num_accepted
+  return first, second, num_accepted, tokens
 
 
 def _accepted_law(setting: str, draft: str) -> np.ndarray:
@@ -156,14 +162,14 @@ GRID = [(s, d) for s in SETTINGS for d in DRAFTS]
 
 @pytest.mark.parametrize("setting,draft", GRID)
 def test_first_emitted_token_is_distributed_as_the_processed_target(setting, draft):
-  first, _, _ = _sampled(setting, draft)
+  first, *_ = _sampled(setting, draft)
   p_first = _case(setting, draft)[4]
   assert_same_distribution(first, p_first, ALPHA, what=f"first token {setting}/{draft}")
 
 
 @pytest.mark.parametrize("setting,draft", GRID)
 def test_first_two_emitted_tokens_follow_the_target_chain(setting, draft):
-  first, second, _ = _sampled(setting, draft)
+  first, second, *_ = _sampled(setting, draft)
   *_, p_first, p_next = _case(setting, draft)
   joint = p_first[:, None] * p_next
   assert_same_distribution(pair_index(first, second, VOCAB), joint.reshape(-1), ALPHA,
@@ -172,20 +178,56 @@ def test_first_two_emitted_tokens_follow_the_target_chain(setting, draft):
 
 @pytest.mark.parametrize("setting,draft", GRID)
 def test_number_of_accepted_drafts_follows_the_min_p_q_law(setting, draft):
-  _, _, num_accepted = _sampled(setting, draft)
+  _, _, num_accepted, _ = _sampled(setting, draft)
   law = _accepted_law(setting, draft)
   assert_same_distribution(num_accepted, law, ALPHA, what=f"num_accepted {setting}/{draft}")
   if draft == "equal":
     assert (num_accepted == DRAFT_LEN).all()
 
 
+@pytest.mark.parametrize("setting", list(SETTINGS))
+def test_bonus_token_follows_the_target_after_all_drafts_are_accepted(setting):
+  # with q = p every draft is accepted and the row emits K drafts + the bonus drawn from p at
+  # position K: (tokens[K-1], tokens[K]) must follow P(x_K) p(x_{K+1} | x_K) of the chain
+  _, _, num_accepted, tokens = _sampled(setting, "equal")
+  *_, p_first, p_next = _case(setting, "equal")
+  marginal = p_first @ np.linalg.matrix_power(p_next, DRAFT_LEN - 1)
+  joint = marginal[:, None] * p_next
+  assert (num_accepted == DRAFT_LEN).all()
+  assert_same_distribution(pair_index(tokens[:, -2], tokens[:, -1], VOCAB), joint.reshape(-1),
+                           ALPHA, what=f"(last draft, bonus) {setting}")
+
+
 @pytest.mark.parametrize("draft", ["adversarial", "random"])
 def test_skipping_the_residual_correction_fails_the_same_check(draft):
   setting = "temperature_1"
-  first, _, _ = _sampled(setting, draft, broken=True)
+  first, *_ = _sampled(setting, draft, broken=True)
   p_first = _case(setting, draft)[4]
   with pytest.raises(AssertionError, match="not distributed as expected"):
     assert_same_distribution(first, p_first, ALPHA, what="broken verifier")
+
+
+# ------------------------------------------------------------ the statistical harness (tests/stats)
+
+
+def test_the_harness_rejects_at_rate_alpha_under_the_null_and_detects_a_small_shift():
+  rng = np.random.default_rng(11)
+  probs = np.array([0.4, 0.3, 0.2, 0.0995, 0.0005, 0.0])  # a tiny cell (pooled) and an empty one
+  # 400 tests at alpha = 0.05 under the null: rejections ~ Binomial(400, 0.05), mean 20, sd 4.4
+  gof = [stats.goodness_of_fit(rng.choice(6, 3000, p=probs), probs).pvalue for _ in range(400)]
+  homog = [stats.two_sample(rng.choice(6, 3000, p=probs), rng.choice(6, 1000, p=probs), 6).pvalue
+           for _ in range(400)]
+  for pvalues in (gof, homog):
+    assert 5 <= np.sum(np.array(pvalues) < 0.05) <= 40
+  shifted = probs + np.array([0.01, -0.01, 0, 0, 0, 0])  # TV 0.01 at 200k samples
+  with pytest.raises(AssertionError):
+    assert_same_distribution(rng.choice(6, NUM_ROWS, p=shifted), probs, ALPHA)
+  with pytest.raises(AssertionError):
+    stats.assert_two_sample_same(rng.choice(6, NUM_ROWS, p=shifted),
+                                 rng.choice(6, NUM_ROWS, p=probs), 6, ALPHA)
+  impossible = stats.goodness_of_fit(np.array([0, 1, 5]), probs)
+  assert impossible.pvalue == 0.0 and impossible.impossible == 1
+  assert stats.bonferroni(0.006, 60) == pytest.approx(ALPHA)
 
 
 # ---------------------------------------------------------------------------- greedy and contract

@@ -107,8 +107,9 @@ def verify(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
   else:
     q = draft_probs.astype(jnp.float32)
     q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
-    # u < p/q without the division; p >= q accepts outright (exact when q == p)
-    accept = (p_draft >= q_draft) | (u * q_draft < p_draft)
+    # u < p/q without the division; p >= q accepts outright (exact when q == p), but never a
+    # token the processed target excludes
+    accept = (u * q_draft < p_draft) | ((p_draft >= q_draft) & (p_draft > 0))
   num_accepted = _leading_true(accept)
 
   # only position n = num_accepted needs a draw: the residual after a rejection (n < K) or the
