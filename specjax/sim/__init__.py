@@ -1,1 +1,20 @@
-"""specjax.sim"""
+"""specjax.sim: a first-principles performance simulator of RL steps with speculative rollouts.
+
+Pure numpy (never imports jax). Entry points: `Scenario` + `compare`, and experiments/simulate.py.
+"""
+
+from specjax.sim.calibrate import (MeasuredCase, cases_from_benchmark_json, fit_efficiency,
+                                   paper_cases)
+from specjax.sim.catalog import (HARDWARE, MODELS, HardwareSpec, ModelSpec, get_hardware,
+                                 get_model, load_catalog)
+from specjax.sim.cost import Efficiency
+from specjax.sim.factors import efficiency_for
+from specjax.sim.simulate import Comparison, Scenario, StepResult, compare, simulate_step
+from specjax.sim.workload import WORKLOADS, Workload, get_workload
+
+__all__ = [
+    "Comparison", "Efficiency", "HARDWARE", "HardwareSpec", "MODELS", "MeasuredCase",
+    "ModelSpec", "Scenario", "StepResult", "WORKLOADS", "Workload", "cases_from_benchmark_json",
+    "compare", "efficiency_for", "fit_efficiency", "get_hardware", "get_model", "get_workload",
+    "load_catalog", "paper_cases", "simulate_step",
+]

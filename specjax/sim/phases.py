@@ -1,0 +1,170 @@
+"""Phase models of one RL step: generation (AR or speculative, shrinking live batch), prefill,
+logprob, train (with optional online draft adaptation) and prepare (weight hand-over).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import heapq
+import math
+
+import numpy as np
+
+from specjax.sim import cost
+from specjax.sim.catalog import HardwareSpec, ModelSpec
+from specjax.sim.cost import Efficiency
+from specjax.sim.workload import Workload
+
+DRAFTERS = ("none", "eagle3", "draft-model", "mtp", "ngram")
+
+
+@dataclasses.dataclass(frozen=True)
+class GenResult:
+  seconds: float  # prefill + decode of the slowest replica
+  prefill_s: float
+  decode_s: float
+  steps: float  # decode (or speculative) steps of the slowest replica
+  replicas: int
+  mp: int  # GPUs per generation replica
+  rows_per_replica: int
+  slots: int  # rows decoded concurrently (KV-cache capacity)
+  acceptance_length: float
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_lengths(workload: Workload, n: int) -> np.ndarray:
+  """n quantile lengths; the longest is the expected longest of the whole step, since the step
+  ends when the replica holding it finishes."""
+  lengths = workload.response_lengths(n)
+  lengths[-1] = max(lengths[-1], workload.longest_response())
+  return np.round(lengths)
+
+
+@functools.lru_cache(maxsize=64)
+def _all_lengths(workload: Workload) -> np.ndarray:
+  return np.round(workload.response_lengths(workload.rollouts))
+
+
+def kv_slots(model: ModelSpec, hw: HardwareSpec, mp: int, workload: Workload, rows: int,
+             memory_fraction: float, extra_weight_bytes: float = 0.0) -> int:
+  """Rows one replica decodes at once: the KV budget over the KV of an average finished row."""
+  budget = mp * hw.hbm_bytes * memory_fraction - model.weight_bytes - extra_weight_bytes
+  per_row = model.kv_bytes_per_token * (workload.prompt_len + workload.mean_response_len)
+  if budget < per_row:
+    raise ValueError(f"{model.name} does not fit a {mp}-GPU {hw.name} replica with room for KV "
+                     f"(weights {model.weight_bytes / 1e9:.0f} GB); raise gen_mp")
+  return int(min(rows, budget // per_row))
+
+
+def _queue_order(n: int) -> np.ndarray:
+  """Arrival order of the n sorted rows: the longest first (it starts at once), the others in
+  golden-ratio order, so every wave of a capacity-bound replica mixes short and long rows."""
+  rest = np.argsort(np.modf(np.arange(n - 1) * 0.6180339887498949)[0])
+  return np.concatenate([[n - 1], rest])
+
+
+def _schedule(lengths: np.ndarray, slots: int, tokens_per_step: float, prompt_len: int,
+              chunks: int):
+  """Continuous batching as a fluid model: rows queue for `slots` slots and each takes the
+  first slot that frees (greedy list scheduling); every step each busy row advances
+  `tokens_per_step` tokens. Returns, per chunk of steps: its width in steps, the live rows and
+  the total cached context at its midpoint, and the number of steps."""
+  dur = lengths[_queue_order(len(lengths))] / tokens_per_step
+  start = np.zeros_like(dur)
+  if len(dur) > slots:
+    free = [float(d) for d in dur[:slots]]
+    heapq.heapify(free)
+    for j in range(slots, len(dur)):
+      start[j] = heapq.heappop(free)
+      heapq.heappush(free, start[j] + dur[j])
+  end = start + dur
+  horizon = float(end.max())
+  edges = np.linspace(0.0, horizon, chunks + 1)
+  mid = 0.5 * (edges[1:] + edges[:-1])
+  # live(s) = #{start <= s} - #{end <= s}; the same difference of prefix sums gives sum(start).
+  by_start, by_end = np.argsort(start), np.argsort(end)
+  cum_start = np.concatenate([[0.0], np.cumsum(start[by_start])])
+  cum_start_by_end = np.concatenate([[0.0], np.cumsum(start[by_end])])
+  ns = np.searchsorted(start[by_start], mid, side="right")
+  ne = np.searchsorted(end[by_end], mid, side="right")
+  live = (ns - ne).astype(float)
+  sum_start = cum_start[ns] - cum_start_by_end[ne]
+  ctx = live * prompt_len + tokens_per_step * (live * mid - sum_start)
+  return np.diff(edges), live, ctx, horizon
+
+
+def generation(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
+               workload: Workload, *, mp: int, drafter: str = "none", draft_len: int = 0,
+               acceptance_length: float = 1.0, draft_model: ModelSpec | None = None,
+               rows_per_replica: int | None = None, memory_fraction: float = 0.85,
+               chunks: int = 512) -> GenResult:
+  """Rollout time of one step on `gpus` GPUs in replicas of `mp`: prefill, then decode steps
+  whose cost follows the live batch and its context as responses finish. K = 0 or drafter
+  'none' is plain autoregressive decoding."""
+  if drafter not in DRAFTERS:
+    raise ValueError(f"generation: drafter must be one of {DRAFTERS}, got {drafter!r}")
+  if gpus < mp or gpus % mp:
+    raise ValueError(f"generation: gpus={gpus} must be a positive multiple of mp={mp}")
+  speculative = drafter != "none" and draft_len > 0
+  acc = acceptance_length if speculative else 1.0
+  replicas = gpus // mp
+  rows = rows_per_replica or math.ceil(workload.rollouts / replicas)
+  extra = 0.0
+  if speculative and drafter == "draft-model":
+    extra = draft_model.weight_bytes
+  elif speculative and drafter in ("eagle3", "mtp"):
+    net = cost.eagle3_net(model) if drafter == "eagle3" else cost.mtp_net(model)
+    extra = net.dense_params * net.bytes_per_param
+  slots = kv_slots(model, hw, mp, workload, rows, memory_fraction, extra)
+  lengths = _replica_lengths(workload, rows)
+  width, live, ctx, horizon = _schedule(lengths, slots, acc, workload.prompt_len, chunks)
+  if speculative:
+    step = cost.spec_step_time(model, hw, eff, mp, live, ctx, draft_len, acc, drafter,
+                               draft_model)
+  else:
+    step = cost.ar_step_time(model, hw, eff, mp, live, ctx)
+  decode = float((width * step).sum())
+  p = workload.prompt_len
+  prefill = float(cost.forward_time(cost.target_net(model), hw, eff, mp, rows * p, rows * p,
+                                    p / 2, eff.step_overhead_s, logit_tokens=rows))
+  return GenResult(seconds=prefill + decode, prefill_s=prefill, decode_s=decode, steps=horizon,
+                   replicas=replicas, mp=mp, rows_per_replica=rows, slots=slots,
+                   acceptance_length=acc)
+
+
+def _forward_flops(model: ModelSpec, workload: Workload) -> float:
+  """FLOPs of one forward over every rollout of the step (causal attention included)."""
+  seq = workload.prompt_len + _all_lengths(workload)
+  return (2.0 * model.active_params * float(seq.sum())
+          + model.attn_flops_per_pair * float((seq * seq / 2).sum()))
+
+
+def logprob_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
+                 workload: Workload, reference: bool = False) -> float:
+  """Policy (and optionally reference) forward over all tokens at the fitted MFU."""
+  passes = 2 if reference else 1
+  return passes * _forward_flops(model, workload) / (gpus * hw.flops * eff.mfu)
+
+
+def train_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
+               workload: Workload, online_draft: bool = False, ttt_steps: int = 3) -> float:
+  """Forward + backward (3x forward FLOPs) over all tokens; online EAGLE-3 adaptation adds the
+  head's forward + backward for each of its `ttt_steps` unrolled steps."""
+  flops = 3.0 * _forward_flops(model, workload)
+  if online_draft:
+    head = cost.eagle3_net(model)
+    tokens = float((workload.prompt_len + _all_lengths(workload)).sum())
+    flops += ttt_steps * 3.0 * head.flops_per_token() * tokens
+  return flops / (gpus * hw.flops * eff.mfu)
+
+
+def prepare_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int,
+                 colocated: bool) -> float:
+  """Hand the new weights to the generation engine. Colocated: each GPU gathers its replica
+  shard over NVLink, plus engine wake-up / train-state offload. Split groups (async): each
+  generation GPU receives its shard over the scale-out network (pipelined broadcast)."""
+  shard = model.weight_bytes / mp
+  if colocated:
+    return shard / (hw.nvlink_bw / 2 * eff.comm) + eff.prepare_overhead_s
+  return shard / (hw.net_bw * eff.comm)
