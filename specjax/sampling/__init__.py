@@ -1,1 +1,24 @@
-"""specjax.sampling"""
+"""Rollout sampling: the AR sampler, the lossless verifier, the speculative loop and its drafters.
+
+`generate` and `speculative_generate` return the same `Rollout`; drafters implement `Drafter`.
+"""
+
+from specjax.sampling.ar import Rollout, SamplingConfig, generate
+from specjax.sampling.draft_model import DraftModelDrafter, truncated_copy
+from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+from specjax.sampling.metrics import (AcceptanceCounts, AcceptanceMetrics, acceptance_metrics,
+                                      count_acceptance, tokens_per_second)
+from specjax.sampling.ngram import GroupNgramDrafter, NgramDrafter
+from specjax.sampling.processing import process_logits, sample_token
+from specjax.sampling.rejection import VerifyResult, verify
+from specjax.sampling.speculative import required_cache_size, speculative_generate
+
+__all__ = [
+    "Rollout", "SamplingConfig", "generate",
+    "required_cache_size", "speculative_generate",
+    "AcceptanceCounts", "AcceptanceMetrics", "acceptance_metrics", "count_acceptance",
+    "tokens_per_second",
+    "Drafter", "Sequences", "TargetStep",
+    "NgramDrafter", "GroupNgramDrafter", "DraftModelDrafter", "truncated_copy",
+    "VerifyResult", "verify", "process_logits", "sample_token",
+]

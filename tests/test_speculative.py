@@ -1,0 +1,177 @@
+"""The speculative loop: EOS inside accepted windows, per-row length limits, acceptance counts,
+the distribution of temperature-1 rollouts versus AR sampling, target logprobs, bad inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models import Decoder, ModelConfig
+from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, NgramDrafter, SamplingConfig,
+                              generate, speculative_generate)
+from specjax.sampling import speculative
+import stats
+
+# the same tiny target, prompts and greedy config as test_drafters (programs are shared)
+CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=16, mlp_hidden=64, init_std=0.5)
+PROMPTS = jnp.array([[3, 7, 3, 7, 3, 7, 3, 7], [9, 4, 11, 9, 4, 0, 0, 0],
+                     [20, 21, 0, 0, 0, 0, 0, 0], [5, 6, 7, 8, 5, 6, 7, 0]], jnp.int32)
+PROMPT_LENGTHS = jnp.array([8, 5, 2, 7], jnp.int32)
+GREEDY = SamplingConfig(max_new_tokens=16, temperature=0.0, eos_ids=(18, 13))
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(target):
+  """AR greedy and speculative greedy with a draft identical to the target (all drafts accepted):
+  windows are [1..4], [5..8], [9..12], [13..15]; row 1 emits EOS at 10, row 3 at 7 (both inside
+  a window), rows 0 and 2 reach 16 tokens inside the last window."""
+  ar = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY)
+  drafter, params = DraftModelDrafter.from_model(target, K)
+  spec = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS,
+                              jax.random.key(1), GREEDY)
+  return ar, spec, drafter, params
+
+
+def test_a_draft_identical_to_the_target_has_every_greedy_draft_accepted(greedy_runs):
+  _, spec, _, _ = greedy_runs
+  s = spec.stats  # per row; a draft is one row in one verify step
+  np.testing.assert_array_equal(s.accepted_per_position, np.repeat(s.num_drafts[:, None], K, 1))
+  # one prefill token, then K + 1 per step
+  np.testing.assert_array_equal(s.num_drafts, -(-(spec.lengths - 1) // (K + 1)))
+  assert int(spec.num_steps) == int(s.num_drafts.max())
+  m = AcceptanceMetrics.from_counts(s)
+  assert m.acceptance_length == K + 1 and m.acceptance_rate == 1.0
+
+
+def test_eos_inside_an_accepted_window_ends_the_row_there(greedy_runs):
+  ar, spec, _, _ = greedy_runs
+  np.testing.assert_array_equal(spec.tokens, ar.tokens)
+  np.testing.assert_array_equal(spec.lengths, [16, 11, 16, 8])
+  np.testing.assert_array_equal(spec.eos, [False, True, False, True])
+  for row, eos_at in ((1, 10), (3, 7)):
+    assert (eos_at - 1) % (K + 1) != K  # not the window's last token: later tokens were dropped
+    assert int(spec.tokens[row, eos_at]) in GREEDY.eos_ids
+    assert not np.any(np.isin(spec.tokens[row, :eos_at], GREEDY.eos_ids))
+    assert np.all(np.asarray(spec.tokens[row, eos_at + 1:]) == GREEDY.pad_id)
+    assert not np.any(spec.mask[row, eos_at + 1:]) and np.all(spec.mask[row, :eos_at + 1])
+    assert np.all(np.asarray(spec.logprobs[row, eos_at + 1:]) == 0.0)
+
+
+def test_rows_reaching_max_new_tokens_mid_window_are_truncated(greedy_runs):
+  ar, spec, _, _ = greedy_runs
+  n = GREEDY.max_new_tokens
+  for row in (0, 2):
+    assert int(spec.lengths[row]) == n and (n - 1) % (K + 1) != 0
+    assert int(spec.stats.num_drafts[row]) == -(-(n - 1) // (K + 1))
+  np.testing.assert_array_equal(spec.sequences, ar.sequences)
+  np.testing.assert_array_equal(spec.sequence_mask, ar.sequence_mask)
+  np.testing.assert_allclose(spec.logprobs, ar.logprobs, atol=1e-5)
+
+
+def test_new_target_params_reuse_the_compiled_loop(target, greedy_runs):
+  _, _, drafter, params = greedy_runs
+  graphdef, target_params = nnx.split(target)
+  before = speculative._speculative_jit._cache_size()
+  shifted = jax.tree.map(lambda x: x * 1.01, target_params)
+  out = speculative_generate((graphdef, shifted), drafter, params, PROMPTS, PROMPT_LENGTHS,
+                             jax.random.key(1), GREEDY)
+  jax.block_until_ready(out.tokens)
+  assert speculative._speculative_jit._cache_size() == before
+
+
+def test_bad_inputs_raise_clear_errors(target, greedy_runs):
+  _, _, drafter, params = greedy_runs
+  run = lambda d=drafter, p=params, **kw: speculative_generate(
+      target, d, p, kw.pop("prompts", PROMPTS), kw.pop("lengths", PROMPT_LENGTHS),
+      jax.random.key(0), GREEDY, **kw)
+  with pytest.raises(ValueError, match="draft_len"):
+    run(draft_len=0)
+  needed = speculative.required_cache_size(8, GREEDY.max_new_tokens, K)
+  with pytest.raises(ValueError, match=f"cache_size={needed - 1} is too small"):
+    run(cache_size=needed - 1)
+  with pytest.raises(ValueError, match="is too small"):  # K larger than the remaining cache
+    run(cache_size=needed, draft_len=K + 1)
+  with pytest.raises(ValueError, match="longer than the cache"):
+    run(cache_size=6)
+  with pytest.raises(ValueError, match="prompt_lengths"):
+    run(lengths=jnp.array([8, 0, 2, 7]))
+  small_vocab = Decoder(CFG.replace(vocab_size=16, num_layers=1), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="vocab_size=16 differs from the target's vocab_size=32"):
+    run(*DraftModelDrafter.from_model(small_vocab, K))
+  with pytest.raises(TypeError, match="Drafter"):
+    run(d=object())
+
+
+# -- temperature 1: spec-decoded rollouts are distributed as AR-sampled rollouts -------------------
+
+ROWS = 8192  # per sampler
+SAMPLE = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_ids=(5,))
+POSITIONS = (1, 2, 3, 4)
+ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test of each drafter
+
+
+def stat_prompts():
+  """Two ragged prompts alternating over the rows (the second repeats itself for the n-gram)."""
+  a = jnp.array([3, 7, 3, 7, 3, 7, 3, 7])
+  b = jnp.array([9, 4, 11, 9, 4, 0, 0, 0])
+  prompts = jnp.where((jnp.arange(ROWS) % 2 == 0)[:, None], a, b).astype(jnp.int32)
+  return prompts, jnp.where(jnp.arange(ROWS) % 2 == 0, 8, 5).astype(jnp.int32)
+
+
+def categories(out) -> np.ndarray:
+  """int[B, N]: (prompt kind, token) per position; finished positions are token V (end)."""
+  v = CFG.vocab_size
+  tok = np.where(np.asarray(out.mask), np.asarray(out.tokens), v)
+  return tok + (v + 1) * (np.arange(ROWS) % 2)[:, None]
+
+
+@pytest.fixture(scope="module")
+def ar_samples(target):
+  prompts, lengths = stat_prompts()
+  return generate(target, prompts, lengths, jax.random.key(10), SAMPLE)
+
+
+@pytest.fixture(scope="module", params=["draft_model", "ngram"])
+def spec_samples(request, target):
+  prompts, lengths = stat_prompts()
+  if request.param == "ngram":
+    drafter, params = NgramDrafter(K, n=2), ()
+  else:  # an unrelated random draft: q far from p, the residual correction matters
+    other = Decoder(CFG.replace(num_layers=1), rngs=nnx.Rngs(7))
+    drafter, params = DraftModelDrafter.from_model(other, K)
+  return request.param, speculative_generate(target, drafter, params, prompts, lengths,
+                                             jax.random.key(20), SAMPLE)
+
+
+def test_temperature_one_speculative_matches_autoregressive_distribution(ar_samples,
+                                                                          spec_samples):
+  name, spec = spec_samples
+  accepted = AcceptanceMetrics.from_counts(spec.stats).num_accepted_tokens
+  assert accepted > ROWS // 4, f"too few accepted drafts ({accepted}) to be a test"
+  a, b = categories(ar_samples), categories(spec)
+  num_cats = 2 * (CFG.vocab_size + 1)
+  alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
+  for j in POSITIONS:
+    stats.assert_two_sample_same(a[:, j], b[:, j], num_cats, alpha, what=f"{name} position {j}")
+  stats.assert_two_sample_same(stats.pair_index(a[:, 1], a[:, 2], num_cats),
+                               stats.pair_index(b[:, 1], b[:, 2], num_cats), num_cats ** 2,
+                               alpha, what=f"{name} positions (1, 2)")
+
+
+def test_speculative_logprobs_are_the_targets_logprobs_of_the_emitted_tokens(target,
+                                                                              spec_samples):
+  _, spec = spec_samples
+  logits = jax.jit(lambda x: target(x).logits)(spec.sequences)
+  logp = jax.nn.log_softmax(logits, axis=-1)  # temperature 1, no filtering
+  idx = spec.prompt_lengths[:, None] + jnp.arange(SAMPLE.max_new_tokens)[None, :] - 1
+  want = jnp.take_along_axis(jnp.take_along_axis(logp, idx[..., None], axis=1),
+                             spec.tokens[..., None], axis=2)[..., 0]
+  np.testing.assert_allclose(np.where(spec.mask, want, 0.0), spec.logprobs, atol=1e-4)
