@@ -1,0 +1,192 @@
+"""Feature-chained drafters (EAGLE-3 head, native MTP module) behind the `Drafter` protocol.
+
+After each target forward the drafter runs its one-layer module on (target state at t, committed
+token t + 1) pairs into its own KV cache; it then drafts K tokens by feeding back its own states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.eagle.head import Eagle3Head, HeadConfig
+from specjax.eagle.vocab import VocabMaps, draft_to_target_probs
+from specjax.models.cache import KVCache
+from specjax.models.layers import causal_mask
+from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+
+
+@struct.dataclass
+class ChainState:
+  cache: KVCache  # the drafter's own one-layer cache; lengths == the target's committed length
+  hidden: jax.Array  # [B, d] drafter state at the last committed pair
+  logits: jax.Array  # float32[B, N] draft logits of the token after the last committed one
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainDrafter(Drafter):
+  """Chain drafting with static K on a one-layer module; subclasses say what the module is.
+
+  observe: pairs (feature[b, t], next_tokens[b, t]) are written at positions start[b] + t; the
+  first num_new[b] become committed and the last of them gives the first draft. propose: draft 1
+  from that pair; draft k + 1 from (the module's own output state, draft k) at position
+  lengths[b] + k - 1, written beyond the committed length (invisible later, then overwritten).
+  """
+
+  graphdef: Any = None  # nnx.GraphDef of the module the params merge into
+
+  def __post_init__(self):
+    if self.draft_len < 1:
+      raise ValueError(f"{type(self).__name__}.draft_len: must be >= 1, got {self.draft_len}")
+    if self.temperature < 0:
+      raise ValueError(f"{type(self).__name__}.temperature: must be >= 0, got {self.temperature}")
+    if self.graphdef is None:
+      raise ValueError(f"{type(self).__name__}.graphdef: required (nnx.split of the module)")
+
+  # -- what a subclass provides --------------------------------------------------------------
+  def features(self, params, step: TargetStep) -> jax.Array:
+    """[B, T, d] states paired with step.next_tokens."""
+    raise NotImplementedError
+
+  def run(self, params, hidden, tokens, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Module on [B, T] pairs written at cache.lengths[b] ..; -> (states [B, T, d], cache)."""
+    raise NotImplementedError
+
+  def draft_logits(self, params, hidden: jax.Array) -> jax.Array:
+    """float32 [B, N] logits from states [B, d]."""
+    raise NotImplementedError
+
+  def vocab_maps(self, params) -> VocabMaps | None:
+    """Draft -> target ids; None when the draft vocabulary is the target's."""
+    return None
+
+  def cache_spec(self) -> tuple[int, int, Any]:
+    """(num_kv_heads, head_dim, dtype) of the one-layer cache."""
+    raise NotImplementedError
+
+  def hidden_size(self) -> int:
+    raise NotImplementedError
+
+  def num_draft_ids(self) -> int:
+    raise NotImplementedError
+
+  # -- the protocol ----------------------------------------------------------------------------
+  def init(self, params, batch: int, cache_size: int) -> ChainState:
+    hkv, dh, dtype = self.cache_spec()
+    # room for K - 1 chained entries beyond a full target cache
+    cache = KVCache.create(1, batch, cache_size + self.draft_len, hkv, dh, dtype)
+    return ChainState(cache=cache, hidden=jnp.zeros((batch, self.hidden_size()), dtype),
+                      logits=jnp.zeros((batch, self.num_draft_ids()), jnp.float32))
+
+  def observe(self, params, state: ChainState, step: TargetStep) -> ChainState:
+    feats = self.features(params, step)
+    out, cache = self.run(params, feats, step.next_tokens, state.cache.with_lengths(step.start))
+    last = jnp.maximum(step.num_new - 1, 0)
+    hidden = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
+    return ChainState(cache=cache.with_lengths(step.start + step.num_new), hidden=hidden,
+                      logits=self.draft_logits(params, hidden))
+
+  def _pick(self, params, logits: jax.Array, key: jax.Array):
+    maps = self.vocab_maps(params)
+    if self.temperature == 0:
+      ids, probs = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
+    else:
+      logp = jax.nn.log_softmax(logits / self.temperature, axis=-1)
+      ids = jax.random.categorical(key, logp, axis=-1).astype(jnp.int32)
+      probs = jnp.exp(logp)
+      if maps is not None:
+        probs = draft_to_target_probs(probs, maps)
+    tokens = ids if maps is None else jnp.take(maps.d2t, ids)
+    return tokens, probs
+
+  def propose(self, params, state: ChainState, seq: Sequences, key: jax.Array):
+    keys = jax.random.split(key, self.draft_len)
+    first_tok, first_probs = self._pick(params, state.logits, keys[0])
+    committed = state.cache.lengths
+
+    def chain(carry, xs):
+      hidden, tok, cache = carry
+      k, step_key = xs
+      out, cache = self.run(params, hidden[:, None], tok[:, None],
+                            cache.with_lengths(committed + k - 1))
+      hidden = out[:, 0]
+      nxt, probs = self._pick(params, self.draft_logits(params, hidden), step_key)
+      return (hidden, nxt, cache), (nxt, probs)
+
+    steps = (jnp.arange(1, self.draft_len, dtype=jnp.int32), keys[1:])
+    (_, _, cache), (toks, probs) = jax.lax.scan(chain, (state.hidden, first_tok, state.cache),
+                                                steps)
+    tokens = jnp.concatenate([first_tok[:, None], jnp.swapaxes(toks, 0, 1)], axis=1)
+    if first_probs is not None:
+      probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
+    return tokens, probs, state.replace(cache=cache.with_lengths(committed))
+
+
+@struct.dataclass
+class Eagle3Params:
+  """The drafter's params: `embed` IS the policy's embedding array (shared, never trained here)."""
+
+  head: nnx.State
+  embed: jax.Array  # [V, d]
+  maps: VocabMaps
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(ChainDrafter):
+  """EAGLE-3 head as a drafter; params are `Eagle3Params`."""
+
+  head_cfg: HeadConfig | None = None
+
+  def __post_init__(self):
+    super().__post_init__()
+    if self.head_cfg is None:
+      raise ValueError("Eagle3Drafter.head_cfg: required (the head's HeadConfig)")
+
+  def _head(self, params: Eagle3Params) -> Eagle3Head:
+    return nnx.merge(self.graphdef, params.head)
+
+  def features(self, params, step):
+    return self._head(params).fuse(step.out.aux_hidden)
+
+  def run(self, params, hidden, tokens, cache):
+    head = self._head(params)
+    b, t = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    keys = jnp.broadcast_to(jnp.arange(cache.size, dtype=jnp.int32), (b, cache.size))
+    mask = causal_mask(positions, keys)
+    out, (k, v) = head(params.embed, hidden, tokens, positions, mask, (cache.k[0], cache.v[0]),
+                       cache.lengths)
+    return out, cache.replace(k=(k,), v=(v,))
+
+  def draft_logits(self, params, hidden):
+    return self._head(params).logits(hidden)
+
+  def vocab_maps(self, params):
+    return params.maps
+
+  def cache_spec(self):
+    t = self.head_cfg.target
+    return t.num_kv_heads, t.head_dim, t.compute_dtype
+
+  def hidden_size(self):
+    return self.head_cfg.hidden_size
+
+  def num_draft_ids(self):
+    return self.head_cfg.draft_vocab
+
+
+def eagle3_drafter(head: Eagle3Head, embed_table: jax.Array, maps: VocabMaps, *, draft_len: int,
+                   temperature: float = 1.0) -> tuple[Eagle3Drafter, Eagle3Params]:
+  """(drafter, params) for a head; `embed_table` must be the policy's own array."""
+  if maps.draft_vocab != head.cfg.draft_vocab:
+    raise ValueError(f"eagle3_drafter: maps have {maps.draft_vocab} draft ids, the head "
+                     f"{head.cfg.draft_vocab}")
+  graphdef, state = nnx.split(head)
+  drafter = Eagle3Drafter(draft_len=draft_len, vocab_size=maps.vocab_size,
+                          temperature=temperature, graphdef=graphdef,
+                          head_cfg=head.cfg)
+  return drafter, Eagle3Params(head=state, embed=embed_table, maps=maps)

@@ -1,0 +1,196 @@
+"""Offline initialisation of the EAGLE-3 head: target rollouts on a prompt set, then TTT training.
+
+The prompt set decides the draft's domain: the RL task's prompts (in-domain) or any other set
+("general"). Optimiser: AdamW with global-norm clipping and a warmup + cosine schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from tqdm.auto import tqdm
+
+from specjax.eagle.head import Eagle3Head, init_head
+from specjax.eagle.ttt import ttt_loss
+from specjax.eagle.vocab import VocabMaps, build_vocab_maps_from_tokens
+from specjax.sampling.ar import SamplingConfig, generate, split_model
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTrainConfig:
+  steps: int = 300
+  batch_size: int = 16
+  learning_rate: float = 3e-3
+  warmup_steps: int = 20
+  final_lr_ratio: float = 0.1  # cosine decays to learning_rate * final_lr_ratio
+  weight_decay: float = 0.0
+  clip_norm: float = 1.0
+  ttt_steps: int = 3
+  step_decay: float = 0.8
+  draft_vocab: int | None = None  # None -> min(V, 32000)
+  samples_per_prompt: int = 1
+  rollout_batch: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    def check(cond, field, msg):
+      if not cond:
+        raise ValueError(f"DraftTrainConfig.{field}: {msg}")
+
+    check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
+    check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
+    check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
+    check(0 <= self.warmup_steps < self.steps, "warmup_steps",
+          f"must lie in [0, steps={self.steps}), got {self.warmup_steps}")
+    check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio",
+          f"must lie in [0, 1], got {self.final_lr_ratio}")
+    check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
+    check(self.clip_norm > 0, "clip_norm", f"must be > 0, got {self.clip_norm}")
+    check(self.ttt_steps >= 1, "ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+    check(0 < self.step_decay <= 1, "step_decay", f"must lie in (0, 1], got {self.step_decay}")
+    check(self.draft_vocab is None or self.draft_vocab >= 1, "draft_vocab",
+          f"must be None or >= 1, got {self.draft_vocab}")
+    check(self.samples_per_prompt >= 1, "samples_per_prompt",
+          f"must be >= 1, got {self.samples_per_prompt}")
+    check(self.rollout_batch >= 1, "rollout_batch", f"must be >= 1, got {self.rollout_batch}")
+
+
+def make_optimizer(cfg: DraftTrainConfig) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+      decay_steps=cfg.steps, end_value=cfg.learning_rate * cfg.final_lr_ratio)
+  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
+                     optax.adamw(schedule, weight_decay=cfg.weight_decay))
+
+
+@dataclasses.dataclass
+class Rollouts:
+  """Sequences (prompt + completion, padded) and the mask of completion tokens, on the host."""
+
+  tokens: np.ndarray  # int32[M, W]
+  loss_mask: np.ndarray  # bool[M, W]
+
+
+def collect_rollouts(target, prompts, prompt_lengths, key: jax.Array, sampling: SamplingConfig, *,
+                     samples_per_prompt: int = 1, batch_size: int = 64,
+                     progress: bool = False) -> Rollouts:
+  """Sample `samples_per_prompt` completions per prompt with the AR sampler, in fixed-size batches
+  (the last one wraps around, so one program is compiled)."""
+  prompts = np.repeat(np.asarray(prompts, np.int32), samples_per_prompt, axis=0)
+  lengths = np.repeat(np.asarray(prompt_lengths, np.int32), samples_per_prompt, axis=0)
+  m = prompts.shape[0]
+  batch = min(batch_size, m)
+  seqs, masks = [], []
+  for i, start in enumerate(tqdm(range(0, m, batch), desc="rollouts", disable=not progress)):
+    idx = np.arange(start, start + batch) % m
+    out = generate(target, prompts[idx], lengths[idx], jax.random.fold_in(key, i), sampling)
+    keep = min(batch, m - start)
+    width = out.sequences.shape[1]
+    completion = (np.asarray(out.sequence_mask)
+                  & (np.arange(width)[None, :] >= np.asarray(out.prompt_lengths)[:, None]))
+    seqs.append(np.asarray(out.sequences)[:keep])
+    masks.append(completion[:keep])
+  return Rollouts(tokens=np.concatenate(seqs), loss_mask=np.concatenate(masks))
+
+
+@functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "cfg"))
+def draft_train_step(head_graphdef, target_graphdef, cfg: DraftTrainConfig, head_params, opt_state,
+                     target_params, maps: VocabMaps, tokens, loss_mask):
+  """One AdamW step of the TTT loss on a batch; the target runs forward only."""
+  target = nnx.merge(target_graphdef, target_params)
+  out = target(tokens)
+  embed = target.embed[...]
+
+  def loss_fn(p):
+    return ttt_loss(head_graphdef, p, embed, out.aux_hidden, out.logits, tokens, loss_mask, maps,
+                    num_steps=cfg.ttt_steps, step_decay=cfg.step_decay)
+
+  (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params)
+  updates, opt_state = make_optimizer(cfg).update(grads, opt_state, head_params)
+  grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
+  metrics = dict(metrics, grad_norm=grad_norm)
+  return optax.apply_updates(head_params, updates), opt_state, metrics
+
+
+@dataclasses.dataclass
+class DraftTrainResult:
+  head: Eagle3Head
+  maps: VocabMaps
+  history: list[dict[str, float]]  # metrics of every step
+  rollouts: Rollouts
+
+
+def train_draft_head(target, prompts=None, prompt_lengths=None, *,
+                     sampling: SamplingConfig | None = None,
+                     config: DraftTrainConfig = DraftTrainConfig(),
+                     head: Eagle3Head | None = None, maps: VocabMaps | None = None,
+                     rollouts: Rollouts | None = None, key: jax.Array | None = None,
+                     progress: bool = True) -> DraftTrainResult:
+  """Train a draft head for `target` (a Decoder or its (graphdef, params)).
+
+  (a) rollouts of the target on `prompts` (or the given `rollouts`), (b) the target's features and
+  logits on them inside each step, (c) `config.steps` TTT steps on random minibatches. `maps`
+  default to the top `config.draft_vocab` completion tokens (EOS ids always kept); `head` to a
+  fresh one. Returns the trained head (a new module; `head` is left as it was).
+  """
+  graphdef, params = split_model(target)
+  model_cfg = nnx.merge(graphdef, params).cfg
+  key = jax.random.key(config.seed) if key is None else key
+  if rollouts is None:
+    if prompts is None or sampling is None:
+      raise ValueError("train_draft_head: pass prompts, prompt_lengths and sampling, or rollouts")
+    rollouts = collect_rollouts((graphdef, params), prompts, prompt_lengths,
+                                jax.random.fold_in(key, 1), sampling,
+                                samples_per_prompt=config.samples_per_prompt,
+                                batch_size=config.rollout_batch, progress=progress)
+  if maps is None:
+    eos = sampling.eos_ids if sampling is not None else ()
+    maps = build_vocab_maps_from_tokens(rollouts.tokens, model_cfg.vocab_size, config.draft_vocab,
+                                        mask=rollouts.loss_mask, always_include=eos)
+  if head is None:
+    head = init_head(model_cfg, maps.draft_vocab, seed=config.seed)
+  if head.cfg.draft_vocab != maps.draft_vocab:
+    raise ValueError(f"train_draft_head: head has {head.cfg.draft_vocab} draft ids, maps "
+                     f"{maps.draft_vocab}")
+  head_graphdef, head_params = nnx.split(head)
+  opt_state = make_optimizer(config).init(head_params)
+  rng = np.random.default_rng(config.seed)
+  m = rollouts.tokens.shape[0]
+  history = []
+  bar = tqdm(range(config.steps), desc="draft head", disable=not progress)
+  for _ in bar:
+    idx = rng.choice(m, size=config.batch_size, replace=m < config.batch_size)
+    head_params, opt_state, metrics = draft_train_step(
+        head_graphdef, graphdef, config, head_params, opt_state, params, maps,
+        jnp.asarray(rollouts.tokens[idx]), jnp.asarray(rollouts.loss_mask[idx]))
+    history.append(metrics)
+    if progress:
+      bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", acc0=f"{float(metrics['acc_0']):.2f}")
+  history = [{k: float(v) for k, v in h.items()} for h in jax.device_get(history)]
+  return DraftTrainResult(head=nnx.merge(head_graphdef, head_params), maps=maps, history=history,
+                          rollouts=rollouts)
+
+
+@functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "num_steps"))
+def _eval_ttt(head_graphdef, target_graphdef, num_steps, head_params, target_params, maps, tokens,
+              loss_mask):
+  model = nnx.merge(target_graphdef, target_params)
+  out = model(tokens)
+  return ttt_loss(head_graphdef, head_params, model.embed[...], out.aux_hidden, out.logits, tokens,
+                  loss_mask, maps, num_steps=num_steps)[1]
+
+
+def eval_ttt(target, head: Eagle3Head, maps: VocabMaps, rollouts: Rollouts, *,
+             num_steps: int = 3) -> dict[str, float]:
+  """TTT metrics (per-step loss and top-1 agreement) of a head on held-out rollouts."""
+  graphdef, params = split_model(target)
+  head_graphdef, head_params = nnx.split(head)
+  metrics = _eval_ttt(head_graphdef, graphdef, num_steps, head_params, params, maps,
+                      jnp.asarray(rollouts.tokens), jnp.asarray(rollouts.loss_mask))
+  return {k: float(v) for k, v in metrics.items()}

@@ -1,0 +1,159 @@
+"""The Eagle3Drafter in the speculative loop: its chained drafts are the TTT unrolled steps, greedy
+output equals AR greedy, temperature-1 output is distributed as AR sampling, and trained heads
+(in-domain beats general) raise the acceptance length on a tiny pretrained arithmetic target."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import stats
+from specjax.eagle import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
+                           collect_rollouts, draft_to_target_probs, eagle3_drafter, identity_maps,
+                           init_head, train_draft_head, ttt_forward)
+from specjax.eagle import toy
+from specjax.models import Decoder
+from specjax.models.tokenizer import CharTokenizer
+from specjax.sampling import (AcceptanceMetrics, SamplingConfig, TargetStep, generate,
+                              speculative_generate)
+
+# the tiny target, sampling and training of test_eagle_ttt: the compiled programs are shared
+CFG = toy.tiny_random_config()
+SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0)
+GREEDY = SamplingConfig(max_new_tokens=16, temperature=0.0, eos_ids=(13,))
+TRAIN = DraftTrainConfig(steps=80, batch_size=16, learning_rate=3e-3, warmup_steps=5,
+                         draft_vocab=24)
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def trained(target):
+  rollouts = collect_rollouts(target, *toy.tiny_prompts(96, seed=0), jax.random.key(0), SAMPLING)
+  return train_draft_head(target, rollouts=rollouts, config=TRAIN, progress=False)
+
+
+def test_chained_drafts_are_the_ttt_unrolled_steps_at_the_last_committed_pair(target):
+  head = Eagle3Head(HeadConfig(CFG.replace(init_std=0.3), 24), rngs=nnx.Rngs(1))
+  maps = build_vocab_maps(np.arange(CFG.vocab_size)[::-1], CFG.vocab_size, 24)
+  drafter, params = eagle3_drafter(head, target.embed[...], maps, draft_len=4)
+  prompts, lengths = toy.tiny_prompts(2, seed=3, width=7)
+  prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+  sampled = jnp.array([3, 5], jnp.int32)  # the token the target sampled after each prompt
+  rows = jnp.arange(2)
+
+  @jax.jit
+  def draft(params, key):
+    out = target(prompts)
+    nxt = jnp.concatenate([prompts[:, 1:], prompts[:, :1]], 1).at[rows, lengths - 1].set(sampled)
+    state = drafter.init(params, 2, 16)
+    state = drafter.observe(params, state, TargetStep(prompts, nxt, jnp.zeros(2, jnp.int32),
+                                                      lengths, out))
+    return drafter.propose(params, state, None, key)[:2]
+
+  tokens, probs = draft(params, jax.random.key(0))
+  full = np.zeros((2, 12), np.int32)
+  for b in range(2):
+    n = int(lengths[b])
+    full[b, :n], full[b, n], full[b, n + 1:n + 5] = prompts[b, :n], sampled[b], tokens[b]
+  # teacher forcing the drafted tokens, TTT step i at the last prompt position is draft i + 1
+  step_logits = nnx.jit(ttt_forward, static_argnums=4)(head, target.embed[...],
+                                                       target(jnp.asarray(full)).aux_hidden,
+                                                       jnp.asarray(full), 4)
+  for i in range(4):
+    want = draft_to_target_probs(jax.nn.softmax(step_logits[i], -1), maps)[rows, lengths - 1]
+    np.testing.assert_allclose(probs[:, i], want, atol=1e-5)
+  assert np.all(np.asarray(maps.t2d)[np.asarray(tokens)])
+
+
+@pytest.mark.parametrize("which", ["untrained", "trained"])
+def test_greedy_speculative_with_an_eagle_head_equals_greedy_autoregressive(target, trained,
+                                                                            which):
+  prompts, lengths = toy.tiny_prompts(8, seed=4)
+  if which == "trained":
+    head, maps = trained.head, trained.maps
+  else:
+    head, maps = init_head(CFG, 24, seed=5), trained.maps
+  drafter, params = eagle3_drafter(head, target.embed[...], maps, draft_len=K)
+  ar = generate(target, prompts, lengths, jax.random.key(0), GREEDY)
+  spec = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(1), GREEDY)
+  np.testing.assert_array_equal(spec.tokens, ar.tokens)
+  np.testing.assert_array_equal(spec.lengths, ar.lengths)
+  if which == "trained":
+    assert AcceptanceMetrics.from_counts(spec.stats).num_accepted_tokens > 0
+
+
+# -- temperature 1 with sampled proposals: distributed exactly as AR sampling -------------------
+
+ROWS = 4096  # per sampler
+SAMPLE = SamplingConfig(max_new_tokens=5, temperature=1.0)
+POSITIONS = (1, 2, 3, 4)
+ALPHA = 1e-3  # family-wise over the positions and the pair test (Bonferroni)
+
+
+def test_sampled_eagle_proposals_leave_the_rollout_distribution_unchanged(target, trained):
+  prompts, lengths = toy.tiny_prompts(2, seed=6)
+  prompts = np.tile(prompts, (ROWS // 2, 1))
+  lengths = np.tile(lengths, ROWS // 2)
+  drafter, params = eagle3_drafter(trained.head, target.embed[...], trained.maps, draft_len=K)
+  ar = generate(target, prompts, lengths, jax.random.key(10), SAMPLE)
+  spec = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(20),
+                              SAMPLE)
+  m = AcceptanceMetrics.from_counts(spec.stats)
+  assert m.num_accepted_tokens > ROWS // 4, f"too few accepted drafts ({m}) to be a test"
+  outside = ~np.asarray(trained.maps.t2d)[np.asarray(spec.tokens)[:, 1:]]
+  assert outside.sum() > 50  # tokens the head cannot propose still come out, via the residual
+  v = CFG.vocab_size
+  cat = lambda out: np.asarray(out.tokens) + v * (np.arange(ROWS) % 2)[:, None]  # (prompt, token)
+  a, b = cat(ar), cat(spec)
+  alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
+  for j in POSITIONS:
+    stats.assert_two_sample_same(a[:, j], b[:, j], 2 * v, alpha, what=f"position {j}")
+  stats.assert_two_sample_same(stats.pair_index(a[:, 1], a[:, 2], 2 * v),
+                               stats.pair_index(b[:, 1], b[:, 2], 2 * v), (2 * v) ** 2, alpha,
+                               what="positions (1, 2)")
+
+
+# -- a tiny pretrained arithmetic target: trained > untrained, in-domain > general ---------------
+
+ARITH = SamplingConfig(max_new_tokens=24, temperature=1.0, eos_ids=CharTokenizer().eos_ids,
+                       pad_id=CharTokenizer().pad_id)
+HEAD_TRAIN = DraftTrainConfig(steps=120, batch_size=16, warmup_steps=10)
+
+
+@pytest.fixture(scope="module")
+def arithmetic():
+  """Target pretrained on arithmetic + English; heads trained on either prompt set; acceptance
+  length at K = 3 on held-out arithmetic prompts."""
+  tok = CharTokenizer()
+  cfg = toy.toy_target_config(mtp=False, hidden_size=32, num_layers=2, mlp_hidden=64, head_dim=8)
+  model = toy.pretrain_toy_target(cfg, steps=250, width=48)
+  prompt_set = lambda kind, n, seed: toy.encode_prompts(
+      tok, [p for p, _ in toy.examples(kind, n, seed)], width=16)
+  heads = {"untrained": (init_head(cfg), identity_maps(cfg.vocab_size))}
+  for kind in ("arithmetic", "general"):
+    res = train_draft_head(model, *prompt_set(kind, 128, 11), sampling=ARITH, config=HEAD_TRAIN,
+                           progress=False)
+    heads[kind] = (res.head, res.maps)
+  held_out = prompt_set("arithmetic", 32, 99)
+  lengths = {}
+  for name, (head, maps) in heads.items():
+    drafter, params = eagle3_drafter(head, model.embed[...], maps, draft_len=K)
+    out = speculative_generate(model, drafter, params, *held_out, jax.random.key(3), ARITH)
+    lengths[name] = AcceptanceMetrics.from_counts(out.stats).acceptance_length
+  return lengths
+
+
+@pytest.mark.slow
+def test_a_trained_head_has_a_longer_acceptance_length_than_an_untrained_one(arithmetic):
+  assert arithmetic["arithmetic"] > arithmetic["untrained"] + 0.5, arithmetic
+
+
+@pytest.mark.slow
+def test_an_in_domain_head_beats_a_general_head_on_the_rl_task(arithmetic):
+  assert arithmetic["arithmetic"] > arithmetic["general"] + 0.3, arithmetic
