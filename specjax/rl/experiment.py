@@ -1,0 +1,295 @@
+"""The AR-vs-speculative RL experiment behind experiments/rl_zero.py and rl_think.py.
+
+Stages: base policy (pretrained here and cached, or a local HF checkpoint) -> offline EAGLE-3 draft
+initialisation on the base policy's rollouts (cached) -> two GRPO runs from the same seed and data
+order, AR and speculative -> report (summary.json, plots, table; see `report.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+from flax import nnx
+
+from specjax.rl.async_config import AsyncConfig
+from specjax.rl.config import RLConfig, _merge, from_dict
+
+Examples = Callable[[Any, int, int], list]  # (task, n, seed) -> [(prompt, completion)]
+
+
+@dataclasses.dataclass(frozen=True)
+class BaseModelConfig:
+  """How the base policy is built when no --model-path is given."""
+
+  steps: int = 150  # few on purpose: the base model should be weak, not useless
+  examples: int = 4000
+  batch_size: int = 64
+  lr: float = 3e-3
+  finetune_steps: int = 0  # rl_think: extra SFT steps on scratchpad text on top of the base
+
+  def __post_init__(self):
+    for name in ("steps", "examples", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"BaseModelConfig.{name}: must be >= 1, got {getattr(self, name)}")
+    if self.lr <= 0:
+      raise ValueError(f"BaseModelConfig.lr: must be > 0, got {self.lr}")
+    if self.finetune_steps < 0:
+      raise ValueError(f"BaseModelConfig.finetune_steps: must be >= 0, got {self.finetune_steps}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftInitConfig:
+  """Offline EAGLE-3 initialisation on the base policy's rollouts."""
+
+  steps: int = 200
+  prompts: int = 256
+  batch_size: int = 32
+  lr: float = 3e-3
+  domain: str = "in-domain"  # in-domain: the RL task's prompts; general: other text
+
+  def __post_init__(self):
+    for name in ("steps", "prompts", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"DraftInitConfig.{name}: must be >= 1, got {getattr(self, name)}")
+    if self.domain not in ("in-domain", "general"):
+      raise ValueError(f"DraftInitConfig.domain: must be 'in-domain' or 'general', "
+                       f"got {self.domain!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExperimentConfig:
+  name: str = "rl_zero"
+  out_dir: str = "runs"  # the report goes to <out_dir>/<name>/
+  cache_dir: str = ".cache/specjax"  # base policies and draft heads, keyed by their config
+  fresh: bool = False  # rebuild the cached base policy and draft head
+  resume: bool = False  # continue both runs from their last checkpoints instead of starting over
+  model_path: str = ""  # a local Hugging Face checkpoint (skips base pretraining)
+  dataset: str = ""  # a local JSONL/parquet math set (GSM8K or DAPO format)
+  compare: bool = True  # also run the AR baseline (False: only the configured rollout mode)
+  base: BaseModelConfig = BaseModelConfig()
+  draft_init: DraftInitConfig = DraftInitConfig()
+  rl: RLConfig = RLConfig()
+  async_rl: AsyncConfig = AsyncConfig()
+
+  def __post_init__(self):
+    if not self.name or os.sep in self.name:
+      raise ValueError(f"ExperimentConfig.name: must be a plain directory name, got {self.name!r}")
+
+
+def parse_config(defaults: ExperimentConfig, argv: Sequence[str] | None = None) -> ExperimentConfig:
+  """defaults <- YAML (`--config file.yaml`, nested like the dataclasses) <- CLI flags (tyro)."""
+  import tyro
+
+  argv = list(sys.argv[1:] if argv is None else argv)
+  yaml_path = None
+  for i, a in enumerate(argv):
+    if a == "--config" and i + 1 < len(argv):
+      yaml_path = argv[i + 1]
+      argv = argv[:i] + argv[i + 2:]
+      break
+    if a.startswith("--config="):
+      yaml_path = a.split("=", 1)[1]
+      argv = argv[:i] + argv[i + 1:]
+      break
+  cfg = defaults
+  if yaml_path:
+    import yaml
+
+    if not os.path.exists(yaml_path):
+      raise FileNotFoundError(f"--config: {yaml_path} does not exist")
+    with open(yaml_path) as f:
+      data = yaml.safe_load(f) or {}
+    cfg = from_dict(ExperimentConfig,
+                    _merge(dataclasses.asdict(cfg), data, f"{yaml_path}: ExperimentConfig"))
+  return tyro.cli(ExperimentConfig, default=cfg, args=argv,
+                  description="AR vs speculative GRPO on one task (see README).")
+
+
+def _digest(*parts: Any) -> str:
+  blob = json.dumps([dataclasses.asdict(p) if dataclasses.is_dataclass(p) else p for p in parts],
+                    sort_keys=True, default=str)
+  return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _atomic_dir(final: str, write: Callable[[str], None]) -> None:
+  """Write a directory under a temporary name, then rename: a crash never leaves half a cache."""
+  tmp = f"{final}.tmp-{os.getpid()}"
+  shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(tmp)
+  write(tmp)
+  shutil.rmtree(final, ignore_errors=True)
+  os.replace(tmp, final)
+
+
+def build_tokenizer(cfg: ExperimentConfig):
+  from specjax.models import CharTokenizer, load_tokenizer
+
+  return load_tokenizer(cfg.model_path) if cfg.model_path else CharTokenizer()
+
+
+def build_task(cfg: ExperimentConfig, tokenizer):
+  from specjax.rl.tasks import make_task
+
+  task_cfg = cfg.rl.task
+  if cfg.dataset:
+    task_cfg = dataclasses.replace(task_cfg, name="math", path=cfg.dataset)
+  return make_task(task_cfg, tokenizer)
+
+
+def _model_cfg(cfg: ExperimentConfig, tokenizer):
+  m = cfg.rl.model
+  if m.vocab_size < tokenizer.vocab_size:
+    m = m.replace(vocab_size=tokenizer.vocab_size)
+  return m
+
+
+def _pretrain(model_cfg, examples: list, tokenizer, base: BaseModelConfig, steps: int, seed: int,
+              start=None):
+  from specjax.models import Decoder
+  from specjax.rl.pretrain import pretrain_lm
+
+  model = start if start is not None else Decoder(model_cfg, rngs=nnx.Rngs(seed))
+  model, history = pretrain_lm(model, examples, tokenizer, steps=steps,
+                               batch_size=base.batch_size, lr=base.lr, seed=seed, progress=True)
+  return model, history
+
+
+def build_base_policy(cfg: ExperimentConfig, tokenizer, task, base_examples: Examples,
+                      finetune_examples: Examples | None = None, log=print):
+  """The policy RL starts from: a local HF checkpoint, or a small decoder pretrained here on the
+  task's text (and, for rl_think, fine-tuned on scratchpad text), cached under cache_dir."""
+  from specjax.models import load_pretrained, save_pretrained
+
+  if cfg.model_path:
+    log(f"[base] loading {cfg.model_path}")
+    return load_pretrained(cfg.model_path, dtype=cfg.rl.model.dtype)
+  model_cfg = _model_cfg(cfg, tokenizer)
+  overrides = dict(aux_layers=model_cfg.aux_layers, mtp=model_cfg.mtp,
+                   init_std=model_cfg.init_std, param_dtype=model_cfg.param_dtype)
+  key = _digest("base", model_cfg, cfg.base, cfg.rl.task, cfg.rl.seed,
+                finetune_examples is not None)
+  path = os.path.join(cfg.cache_dir, f"base-{key}")
+  if os.path.isdir(path) and not cfg.fresh:
+    log(f"[base] cached base policy {path}")
+    return load_pretrained(path, dtype=model_cfg.dtype, **overrides)
+  t0 = time.perf_counter()
+  log(f"[base] pretraining a {model_cfg.num_params() / 1e6:.2f}M-parameter decoder on the task's "
+      f"text ({cfg.base.steps} steps)")
+  model, _ = _pretrain(model_cfg, base_examples(task, cfg.base.examples, cfg.rl.seed), tokenizer,
+                       cfg.base, cfg.base.steps, cfg.rl.seed)
+  if finetune_examples is not None and cfg.base.finetune_steps:
+    log(f"[base] fine-tuning on scratchpad text ({cfg.base.finetune_steps} steps)")
+    model, _ = _pretrain(model_cfg, finetune_examples(task, cfg.base.examples, cfg.rl.seed + 1),
+                         tokenizer, cfg.base, cfg.base.finetune_steps, cfg.rl.seed + 1, start=model)
+  _atomic_dir(path, lambda tmp: save_pretrained(model, tmp))
+  log(f"[base] done in {time.perf_counter() - t0:.1f} s, cached at {path}")
+  return load_pretrained(path, dtype=model_cfg.dtype, **overrides)
+
+
+def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, general_prompts: Callable,
+                     log=print):
+  """Offline EAGLE-3 initialisation on the policy's rollouts (in-domain: the RL task's prompts;
+  general: `general_prompts(n, seed)`), cached under cache_dir."""
+  import jax
+  from specjax.eagle.checkpoint import load_head, save_head
+  from specjax.eagle.train import DraftTrainConfig, train_draft_head
+  from specjax.rl.rollout import pad_prompts, sampling_config
+
+  d = cfg.draft_init
+  graphdef, params = nnx.split(policy)
+  leaves = jax.tree.leaves(params)
+  fingerprint = float(sum(float(np.asarray(x, np.float64).sum()) for x in leaves[:8]))
+  key = _digest("draft", d, cfg.rl.draft, cfg.rl.rollout, cfg.rl.task, policy.cfg, fingerprint)
+  path = os.path.join(cfg.cache_dir, f"eagle3-{key}")
+  if os.path.isdir(path) and not cfg.fresh:
+    log(f"[draft] cached EAGLE-3 head {path}")
+    return load_head(os.path.abspath(path), policy.cfg)
+  if d.domain == "in-domain":
+    prompts = [task.encode_prompt(e) for e in task.examples(10_000_000, d.prompts)]
+  else:
+    prompts = general_prompts(d.prompts, cfg.rl.seed)
+  width = max(len(p) for p in prompts)
+  toks, lens, _ = pad_prompts(prompts, width, tokenizer.pad_id)
+  t0 = time.perf_counter()
+  log(f"[draft] training an EAGLE-3 head on {len(prompts)} {d.domain} rollouts ({d.steps} steps)")
+  train_cfg = DraftTrainConfig(steps=d.steps, batch_size=d.batch_size, learning_rate=d.lr,
+                               warmup_steps=min(20, d.steps - 1), ttt_steps=cfg.rl.draft.ttt_steps,
+                               seed=cfg.rl.seed)
+  result = train_draft_head((graphdef, params), np.asarray(toks), np.asarray(lens),
+                            sampling=sampling_config(cfg.rl, tokenizer), config=train_cfg)
+  last = result.history[-1]
+  log(f"[draft] done in {time.perf_counter() - t0:.1f} s: TTT loss {last['loss']:.3f}, "
+      f"step-0 top-1 agreement {last.get('acc_0', float('nan')):.2f}")
+  _atomic_dir(path, lambda tmp: save_head(os.path.abspath(tmp), result.head, result.maps))
+  return load_head(os.path.abspath(path), policy.cfg)
+
+
+def run_modes(cfg: ExperimentConfig) -> list[tuple[str, RLConfig]]:
+  """(label, RL config) of each run: the AR baseline and the speculative run, same seed/data."""
+  spec = cfg.rl
+  ar = dataclasses.replace(spec, draft=dataclasses.replace(spec.draft, kind="none", online=False))
+  if spec.draft.kind == "none":
+    return [("ar", ar)]
+  return [("ar", ar), ("spec", spec)] if cfg.compare else [("spec", spec)]
+
+
+def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
+                   finetune_examples: Examples | None = None,
+                   general_prompts: Callable | None = None, log=print) -> dict[str, Any]:
+  """All stages; returns the summary written to <out_dir>/<name>/summary.json."""
+  from specjax.rl.report import write_report
+
+  t_start = time.perf_counter()
+  out = os.path.join(cfg.out_dir, cfg.name)
+  os.makedirs(out, exist_ok=True)
+  tokenizer = build_tokenizer(cfg)
+  task = build_task(cfg, tokenizer)
+  policy = build_base_policy(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
+  head, maps = None, None
+  if cfg.rl.draft.kind == "eagle3":
+    head, maps = build_draft_head(cfg, policy, tokenizer, task, general_prompts, log=log)
+  initial = initial_validation(cfg, policy, tokenizer, task, log=log)
+  results = {}
+  for label, rl_cfg in run_modes(cfg):
+    run_dir = os.path.join(out, label)
+    if not cfg.resume:
+      shutil.rmtree(run_dir, ignore_errors=True)
+    log(f"[rl:{label}] {rl_cfg.steps} GRPO steps, rollouts by "
+        f"{'AR decoding' if label == 'ar' else f'{rl_cfg.draft.kind} K={rl_cfg.draft.draft_len}'}")
+    rl_cfg = dataclasses.replace(
+        rl_cfg, checkpoint=dataclasses.replace(rl_cfg.checkpoint, resume=cfg.resume))
+    graphdef, params = nnx.split(policy)
+    kw = dict(out_dir=run_dir, draft=head if label == "spec" else None,
+              draft_maps=maps if label == "spec" else None, verbose=True)
+    if cfg.async_rl.enabled:
+      from specjax.rl.async_loop import run_rl_async
+      summary = run_rl_async(rl_cfg, cfg.async_rl, (graphdef, params), tokenizer, task, **kw)
+    else:
+      from specjax.rl.loop import run_rl
+      summary = run_rl(rl_cfg, (graphdef, params), tokenizer, task, **kw)
+    summary.pop("state", None)
+    results[label] = summary
+  return write_report(cfg, out, results, wall_s=time.perf_counter() - t_start, initial=initial)
+
+
+def initial_validation(cfg: ExperimentConfig, policy, tokenizer, task, log=print) -> dict:
+  """The base policy's validation score (step 0), with the loop's own validation code."""
+  import jax
+  from specjax.rl.loop import setup_run, validate
+
+  if not cfg.rl.validation.every:
+    return {}
+  ar_cfg = run_modes(cfg)[0][1]
+  run, state = setup_run(ar_cfg, nnx.split(policy), tokenizer, task)
+  out = validate(run, state, jax.random.fold_in(jax.random.PRNGKey(cfg.rl.seed), 1_000_000))
+  log(f"[base] validation accuracy {out.get('val/accuracy', float('nan')):.3f} on "
+      f"{cfg.rl.validation.num_prompts} held-out prompts")
+  return out

@@ -1,0 +1,174 @@
+"""The report of an AR-vs-speculative experiment: summary.json, three PNG plots and a short table.
+
+Timings exclude the first step (compilation) where a run has more than one step; the agreement
+of the two runs' validation accuracy is checked with a two-proportion z-test.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from specjax.rl.logging import read_metrics
+
+PHASE_ORDER = ("data", "prepare", "gen", "reward", "logprob", "train")
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+  pts = [(r["step"], r[key]) for r in records if key in r and r[key] is not None]
+  return [p[0] for p in pts], [float(p[1]) for p in pts]
+
+
+def _mean_after_first(values: list[float]) -> float:
+  v = values[1:] if len(values) > 1 else values
+  return float(np.mean(v)) if v else float("nan")
+
+
+def two_proportion_test(k1: int, n1: int, k2: int, n2: int) -> dict[str, float]:
+  """Two-sided z-test of H0: equal success probability (pooled variance)."""
+  p1, p2 = k1 / n1, k2 / n2
+  pooled = (k1 + k2) / (n1 + n2)
+  se = math.sqrt(max(pooled * (1 - pooled) * (1 / n1 + 1 / n2), 1e-300))
+  z = (p1 - p2) / se if se > 0 else 0.0
+  p_value = math.erfc(abs(z) / math.sqrt(2))
+  return {"z": z, "p_value": p_value if pooled not in (0.0, 1.0) else 1.0}
+
+
+def run_stats(records: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
+  steps = [r for r in records if "time/step" in r]
+  gen = [r.get("time/gen", 0.0) for r in steps]
+  step = [r["time/step"] for r in steps]
+  _, acc_len = _series(records, "spec/acceptance_length")
+  val_steps, val_acc = _series(records, "val/accuracy")
+  phases = {k: v["mean_s"] for k, v in summary.get("phases", {}).get("phases", {}).items()}
+  total_phase = sum(phases.values()) or 1.0
+  return {
+      "steps": len(steps),
+      "rollout_time_s": _mean_after_first(gen),  # per step, compile excluded
+      "step_time_s": _mean_after_first(step),
+      "rollout_time_total_s": float(np.sum(gen)),
+      "step_time_total_s": float(np.sum(step)),
+      "first_step_s": float(step[0]) if step else float("nan"),
+      "phase_mean_s": phases,
+      "phase_fraction": {k: v / total_phase for k, v in phases.items()},
+      "acceptance_length": acc_len,
+      "acceptance_length_mean": float(np.mean(acc_len)) if acc_len else None,
+      "train_reward": _series(records, "reward/mean")[1],
+      "val_steps": val_steps,
+      "val_accuracy": val_acc,
+      "final_val_accuracy": val_acc[-1] if val_acc else None,
+  }
+
+
+def _plots(out: str, stats: dict[str, dict], initial: dict[str, float] | None) -> list[str]:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  paths = []
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for label, s in stats.items():
+    xs, ys = list(s["val_steps"]), list(s["val_accuracy"])
+    if initial and "val/accuracy" in initial:
+      xs, ys = [0] + xs, [initial["val/accuracy"]] + ys
+    ax.plot(xs, ys, marker="o", label=f"{label} rollouts")
+  ax.set_xlabel("GRPO step")
+  ax.set_ylabel("validation accuracy")
+  ax.set_title("Validation accuracy: AR vs speculative rollouts")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  paths.append(os.path.join(out, "val_accuracy.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for label, s in stats.items():
+    if s["acceptance_length"]:
+      ax.plot(range(1, len(s["acceptance_length"]) + 1), s["acceptance_length"], label=label)
+  ax.set_xlabel("GRPO step")
+  ax.set_ylabel("acceptance length (tokens per target forward)")
+  ax.set_title("Acceptance length during RL")
+  ax.grid(alpha=0.3)
+  ax.legend()
+  paths.append(os.path.join(out, "acceptance_length.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(5, 4))
+  labels = list(stats)
+  bottom = np.zeros(len(labels))
+  names = [p for p in PHASE_ORDER if any(p in s["phase_mean_s"] for s in stats.values())]
+  for name in names:
+    vals = np.array([stats[l]["phase_mean_s"].get(name, 0.0) for l in labels])
+    ax.bar(labels, vals, bottom=bottom, label=name)
+    bottom += vals
+  ax.set_ylabel("mean seconds per step")
+  ax.set_title("Where a step's time goes")
+  ax.legend()
+  paths.append(os.path.join(out, "phase_times.png"))
+  fig.tight_layout()
+  fig.savefig(paths[-1], dpi=110)
+  plt.close(fig)
+  return paths
+
+
+def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
+                 initial: dict[str, float] | None = None) -> dict[str, Any]:
+  stats = {label: run_stats(read_metrics(r["metrics_path"]), r) for label, r in results.items()}
+  summary: dict[str, Any] = {
+      "name": cfg.name, "wall_time_s": wall_s, "initial_validation": initial or {},
+      "runs": stats, "config": dataclasses.asdict(cfg),
+      "notes": ("times are means per step after the first (compilation) step; "
+                "speedup = AR time / speculative time"),
+  }
+  if "ar" in stats and "spec" in stats:
+    ar, sp = stats["ar"], stats["spec"]
+    summary["rollout_speedup"] = ar["rollout_time_s"] / sp["rollout_time_s"]
+    summary["step_speedup"] = ar["step_time_s"] / sp["step_time_s"]
+    n = cfg.rl.validation.num_prompts
+    if ar["final_val_accuracy"] is not None and sp["final_val_accuracy"] is not None:
+      k1, k2 = round(ar["final_val_accuracy"] * n), round(sp["final_val_accuracy"] * n)
+      test = two_proportion_test(k1, n, k2, n)
+      summary["agreement_test"] = {
+          "test": "two-sided two-proportion z-test on final validation accuracy",
+          "n_per_run": n, "alpha": 0.05, **test,
+          "agree_within_noise": test["p_value"] >= 0.05}
+  summary["plots"] = _plots(out, stats, initial)
+  path = os.path.join(out, "summary.json")
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=2, default=float)
+  os.replace(tmp, path)
+  print(format_table(summary))
+  print(f"report: {path}")
+  return summary
+
+
+def format_table(summary: dict[str, Any]) -> str:
+  runs = summary["runs"]
+  init = summary.get("initial_validation", {}).get("val/accuracy")
+  lines = [f"{'run':<6}{'rollout s/step':>16}{'step s/step':>13}{'accept len':>12}"
+           f"{'val acc start':>15}{'val acc end':>13}"]
+  def fmt(x, spec):
+    return "-" if x is None else format(x, spec)
+
+  for label, s in runs.items():
+    lines.append(f"{label:<6}{fmt(s['rollout_time_s'], '.3f'):>16}{fmt(s['step_time_s'], '.3f'):>13}"
+                 f"{fmt(s['acceptance_length_mean'], '.2f'):>12}{fmt(init, '.3f'):>15}"
+                 f"{fmt(s['final_val_accuracy'], '.3f'):>13}")
+  if "rollout_speedup" in summary:
+    lines.append(f"rollout speedup {summary['rollout_speedup']:.2f}x, "
+                 f"step speedup {summary['step_speedup']:.2f}x")
+  if "agreement_test" in summary:
+    t = summary["agreement_test"]
+    lines.append(f"AR vs spec final accuracy: {t['test']}, p = {t['p_value']:.3f} "
+                 f"({'agree' if t['agree_within_noise'] else 'DIFFER'} at alpha {t['alpha']})")
+  return "\n".join(lines)
