@@ -61,25 +61,28 @@ def test_step_i_at_t_learns_token_t_plus_2_plus_i_on_completion_positions_with_d
   head = Eagle3Head(HeadConfig(CFG, 24), rngs=nnx.Rngs(3))
   tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, CFG.vocab_size)
   loss_mask = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1, 1, 1, 1]], bool)
-  out = target(tokens)
   maps = build_vocab_maps(np.arange(CFG.vocab_size), CFG.vocab_size, 24)  # drops ids 0..7
-  # two positions with a draftable mode, then the same with the mode outside the draft vocabulary
-  base_logits = out.logits.at[0, 4, 20].set(40.0).at[1, 6, 20].set(40.0)
-  target_logits = base_logits.at[0, 4, 3].set(50.0).at[1, 6, 5].set(50.0)
   graphdef, params = nnx.split(head)
-  loss_fn = jax.jit(ttt_loss, static_argnums=0, static_argnames=("num_steps", "step_decay"))
-  loss, metrics = loss_fn(graphdef, params, target.embed[...], out.aux_hidden, target_logits,
-                           tokens, loss_mask, maps, num_steps=3, step_decay=0.8)
-  step_logits = nnx.jit(ttt_forward, static_argnums=4)(head, target.embed[...], out.aux_hidden,
-                                                       tokens, 3)
+
+  @jax.jit
+  def run(params, tokens):
+    out = target(tokens)
+    # two positions with a draftable mode, then the same with the mode outside the draft vocab
+    base_logits = out.logits.at[0, 4, 20].set(40.0).at[1, 6, 20].set(40.0)
+    target_logits = base_logits.at[0, 4, 3].set(50.0).at[1, 6, 5].set(50.0)
+    loss = lambda logits: ttt_loss(graphdef, params, target.embed[...], out.aux_hidden, logits,
+                                   tokens, loss_mask, maps, num_steps=3, step_decay=0.8)
+    step_logits = ttt_forward(nnx.merge(graphdef, params), target.embed[...], out.aux_hidden,
+                              tokens, 3)
+    return loss(target_logits), loss(base_logits)[1], step_logits, target_logits
+
+  (loss, metrics), base, step_logits, target_logits = run(params, tokens)
   ref = _reference_step_losses(step_logits, target_logits, loss_mask, maps)
   for i, (ref_loss, ref_count) in enumerate(ref):
     np.testing.assert_allclose(metrics[f"loss_{i}"], ref_loss, rtol=1e-5)
     assert int(metrics[f"positions_{i}"]) == ref_count
   np.testing.assert_allclose(loss, sum(0.8 ** i * r for i, (r, _) in enumerate(ref)), rtol=1e-5)
   # each step loses exactly the two planted positions
-  base = loss_fn(graphdef, params, target.embed[...], out.aux_hidden, base_logits, tokens,
-                  loss_mask, maps, num_steps=3)[1]
   for i in range(3):
     assert int(base[f"positions_{i}"]) == ref[i][1] + 2
 

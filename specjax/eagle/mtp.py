@@ -80,11 +80,15 @@ def mtp_loss(model: Decoder, hidden: jax.Array, tokens: jax.Array, loss_mask: ja
   """Cross-entropy of the MTP module on token t + 2 from (hidden[t], tokens[t + 1]).
 
   `hidden` is the decoder's output [B, T, d] on `tokens`; `loss_mask[b, j]` marks tokens to learn
-  (completion tokens). With `stop_trunk_gradient` only the MTP module learns (the RL setting: the
-  policy gradient stays exactly what it is); without it the trunk learns too (DeepSeek-V3).
+  (completion tokens). With `stop_trunk_gradient` only the MTP module learns: the trunk and the
+  shared embedding / LM head get exactly zero gradient (the RL setting: the policy gradient stays
+  what it is); without it they learn too (DeepSeek-V3).
   """
   if stop_trunk_gradient:
     hidden = jax.lax.stop_gradient(hidden)
+    # the embedding and LM head the module shares with the policy must not learn either
+    graphdef, own, shared = nnx.split(model, nnx.PathContains("mtp"), ...)
+    model = nnx.merge(graphdef, own, jax.lax.stop_gradient(shared))
   out = model.mtp_forward(hidden[:, :-1], tokens[:, 1:])
   loss, acc = _masked_ce(out.logits[:, :-1], tokens[:, 2:], loss_mask[:, 2:])
   return loss, {"mtp_loss": loss, "mtp_acc": acc}
