@@ -1,0 +1,305 @@
+"""The asynchronous RL loop: a rollout worker generates on the generation mesh while the trainer
+trains on the training mesh; weights are pushed after every step, within a bounded policy lag.
+
+Entry point `run_rl_async(cfg, async_cfg, policy, tokenizer, task, ...)` -> the summary of `run_rl`
+plus exposed generation, weight sync and version-gap statistics. Per step the trainer waits for a
+batch (exposed_generation), recomputes logprobs (logprob), trains (train), pushes (weight_sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+import warnings
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.rl.async_config import AsyncConfig
+from specjax.rl.async_loss import ISTrainer, WeightedTrainBatch, tis_weights, weight_metrics
+from specjax.rl.async_worker import RolloutBatch, RolloutWorker
+from specjax.rl.checkpoint import Checkpointer
+from specjax.rl.config import RLConfig
+from specjax.rl.grpo import group_advantages
+from specjax.rl.logging import MetricsLogger
+from specjax.rl.loop import MAX_ERRORS_LOGGED, Hook, RLRun, _width, setup_run, validate
+from specjax.rl.rollout import (RolloutEngine, acceptance_summary, decode_completions,
+                                pad_prompts, sequence_arrays)
+from specjax.rl.tasks import RewardBatch, Task, compute_rewards
+from specjax.rl.timing import PhaseTimer, format_summary
+from specjax.rl.train_step import TrainBatch, TrainState
+from specjax.sharding import shard_batch, split_mesh, state_shardings, transfer
+
+WORKER_PHASES = ("data", "gen", "reward")  # timed inside the worker, off the trainer's path
+
+
+@dataclasses.dataclass
+class ScoredRollout:
+  """What the worker hands the trainer: sequence arrays (still on the generation mesh), rewards,
+  host-side rollout metrics and the worker's phase times."""
+
+  tokens: jax.Array
+  loss_mask: jax.Array
+  sampler_logprobs: jax.Array
+  rewards: RewardBatch
+  metrics: dict
+  times: dict
+
+
+class WeightPush:
+  """Policy (+ draft head) params for the sampler on the generation mesh, from a train state.
+
+  The raw pieces (forward params, draft group, draft aux) are copied with `transfer` onto the
+  generation mesh's shardings of the same logical-axis rules; the sampler's view of them
+  (`RolloutEngine.prepare`: the EAGLE-3 head with the policy's embedding, casts) is built there,
+  so the embedding table is not sent twice."""
+
+  def __init__(self, trainer: ISTrainer, engine: RolloutEngine, gen_mesh):
+    self.trainer, self.engine, self.gen_mesh = trainer, engine, gen_mesh
+    self._shardings = None
+
+  def __call__(self, state: TrainState) -> tuple[Any, Any]:
+    tree = {"forward": self.trainer.forward_params(state.params), "draft": state.params["draft"],
+            "aux": state.draft_aux}
+    if self._shardings is None:
+      self._shardings = state_shardings(tree, self.gen_mesh)
+    moved = transfer(tree, self._shardings)
+    return self.engine.prepare({"policy": moved["forward"], "draft": moved["draft"]},
+                               moved["forward"], moved["aux"])
+
+
+def setup_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer, task: Task | None = None,
+                *, draft=None, draft_maps=None, devices: Sequence[Any] | None = None
+                ) -> tuple[RLRun, TrainState, RolloutEngine, Any]:
+  """(run with an ISTrainer on the training mesh, initial state there, the rollout engine with
+  fixed drafter params on the generation mesh, the generation mesh)."""
+  gen_mesh, train_mesh = split_mesh(devices, async_cfg.gen_fraction, async_cfg.gen_mesh,
+                                    async_cfg.train_mesh)
+  run, state = setup_run(cfg.replace(use_mesh=False), policy, tokenizer, task, draft=draft,
+                         draft_maps=draft_maps)
+  trainer = ISTrainer(cfg, run.trainer.policy_graphdef, run.trainer.draft_graphdef,
+                      mesh=train_mesh)
+  state = trainer.place(state)
+  ref = trainer.forward_params(state.params) if cfg.grpo.beta > 0 else None
+  run = dataclasses.replace(run, cfg=cfg, trainer=trainer, ref_params=ref, mesh=train_mesh)
+  fixed = run.engine.drafter_params
+  if fixed is not None and jax.tree.leaves(fixed):
+    fixed = transfer(fixed, state_shardings(fixed, gen_mesh))
+  engine = dataclasses.replace(run.engine, drafter_params=fixed)
+  return run, state, engine, gen_mesh
+
+
+def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Array,
+                  start: int, data_position: int):
+  """The worker's `produce(index, version, params)`: data, generation, rewards of batch `index`
+  with the same prompts and keys as step `index` of the synchronous loop."""
+  cfg, task, tok = run.cfg, run.task, run.tokenizer
+  g, n = cfg.grpo.group_size, cfg.prompts_per_step
+
+  def produce(index: int, version: int, params) -> ScoredRollout:
+    policy, drafter_params = params
+    clock = _Clock()
+    position = data_position + (index - start) * n
+    examples = task.examples(position, n)
+    ids = [task.encode_prompt(e) for e in examples]
+    prompts, lengths, cut = pad_prompts(ids, _width(run, ids), tok.pad_id, repeat=g)
+    prompts, lengths = shard_batch((jnp.asarray(prompts), jnp.asarray(lengths)), gen_mesh)
+    clock.lap("data", (prompts, lengths))
+    key = jax.random.fold_in(jax.random.fold_in(base_key, index), 0)
+    rollout = engine.generate(policy, drafter_params, prompts, lengths, key)
+    tokens, mask, sampler_lp = sequence_arrays(rollout)
+    clock.lap("gen", (rollout, tokens, mask, sampler_lp))
+    texts = decode_completions(tok, rollout)
+    rewards = compute_rewards(task.score, texts, [e for e in examples for _ in range(g)])
+    r = rewards.rewards.reshape(-1, g)
+    comp_len = np.asarray(jax.device_get(rollout.lengths))
+    metrics = {
+        "reward/mean": float(r.mean()), "reward/std": float(r.std()),
+        "reward/accuracy": float(rewards.correct.mean()), "reward/errors": len(rewards.errors),
+        "reward/zero_std_groups": float(np.mean(r.std(axis=1) == 0)),
+        "response/length_mean": float(comp_len.mean()),
+        "response/length_max": int(comp_len.max()),
+        "response/truncated": float(1.0 - np.asarray(jax.device_get(rollout.eos)).mean()),
+        "data/position": position + n, "data/prompts_cut": cut,
+        **acceptance_summary(rollout)}
+    clock.lap("reward")
+    return ScoredRollout(tokens, mask, sampler_lp, rewards, metrics, clock.times)
+
+  return produce
+
+
+class _Clock:
+  def __init__(self):
+    self._now = time.perf_counter
+    self._t = self._now()
+    self.times: dict[str, float] = {}
+
+  def lap(self, name: str, sync: Any = None) -> None:
+    if sync is not None:
+      jax.block_until_ready(sync)
+    t = self._now()
+    self.times[name], self._t = t - self._t, t
+
+
+def train_batch(run: RLRun, async_cfg: AsyncConfig, state: TrainState,
+                scored: ScoredRollout) -> tuple[TrainBatch, dict]:
+  """The train batch of a scored rollout on the training mesh: old (and reference) logprobs of the
+  current policy, group advantages, and TIS weights min(pi_old / pi_sampler, is_clip)."""
+  trainer, g = run.trainer, run.cfg.grpo
+  tokens, mask, sampler_lp = shard_batch(
+      (scored.tokens, scored.loss_mask, scored.sampler_logprobs), run.mesh)
+  old = trainer.logprobs(trainer.forward_params(state.params), tokens) * mask
+  ref = trainer.logprobs(run.ref_params, tokens) * mask if run.ref_params is not None \
+      else jnp.zeros_like(old)
+  adv = group_advantages(scored.rewards.rewards, g.group_size, g.adv_mode, g.adv_eps)
+  delta = jnp.abs(old - sampler_lp) * mask
+  extra = {"mismatch/mean_abs": jnp.sum(delta) / jnp.maximum(mask.sum(), 1.0),
+           "mismatch/max_abs": jnp.max(delta)}
+  fields = dict(tokens=tokens, loss_mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+  if not async_cfg.is_correction:
+    return TrainBatch(**fields), extra
+  w = tis_weights(old, sampler_lp, mask, async_cfg.is_clip)
+  extra.update(weight_metrics(w, mask, async_cfg.is_clip))
+  return WeightedTrainBatch(**fields, is_weights=w), extra
+
+
+def check_batch(item: RolloutBatch, step: int, policy_lag: int) -> int:
+  """The version gap of the batch for `step`; raises if it is not that step's batch or too old."""
+  if item.index != step:
+    raise RuntimeError(f"async RL: step {step} got batch {item.index} (batches out of order: one "
+                       f"would be used twice or dropped)")
+  gap = step - item.version
+  if not 0 <= gap <= policy_lag:
+    raise RuntimeError(f"async RL: batch {step} was generated with params version {item.version}, "
+                       f"a gap of {gap} outside [0, policy_lag={policy_lag}]")
+  return gap
+
+
+def async_step(run: RLRun, async_cfg: AsyncConfig, state: TrainState, step: int,
+               worker: RolloutWorker, push: WeightPush, timer: PhaseTimer
+               ) -> tuple[TrainState, dict, list[str]]:
+  """One trainer step: wait for batch `step`, logprobs, train, push the new version (except after
+  the last step). Returns (new state, metrics, reward-function error messages)."""
+  with timer.phase("exposed_generation"):
+    item = worker.get()
+  gap = check_batch(item, step, async_cfg.policy_lag)
+  scored: ScoredRollout = item.payload
+  with timer.phase("logprob") as p:
+    batch, extra = p.sync(train_batch(run, async_cfg, state, scored))
+  with timer.phase("train") as p:
+    state, train_metrics = p.sync(run.trainer.step(state, batch))
+  if step + 1 < run.cfg.steps:
+    with timer.phase("weight_sync") as p:
+      gen_params = p.sync(push(state))
+    worker.publish(step + 1, gen_params)
+  metrics = {**scored.metrics,
+             **{k: float(v) for k, v in jax.device_get(extra).items()},
+             **{k: float(v) for k, v in jax.device_get(train_metrics).items()},
+             "time/weight_sync": 0.0, **timer.end_step(),
+             **{f"time/{k}": v for k, v in scored.times.items()},
+             "time/worker_wait": item.wait_s, "async/batch_index": item.index,
+             "async/version": item.version, "async/version_gap": gap,
+             "async/queue_depth": worker.queue.qsize()}
+  return state, metrics, scored.rewards.errors
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - t0
+
+
+def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
+                 task: Task | None = None, *, out_dir: str, draft=None, draft_maps=None,
+                 hooks: Sequence[Hook] = (), validation_hooks: Sequence[Hook] = (),
+                 verbose: bool = True, devices: Sequence[Any] | None = None) -> dict[str, Any]:
+  """`run_rl` with generation and training on disjoint device groups (`devices`, default all,
+  split by async_cfg.gen_fraction); same arguments, checkpoints and metrics, plus per step
+  time/exposed_generation, time/weight_sync, async/version_gap and the worker's phase times."""
+  os.makedirs(out_dir, exist_ok=True)
+  run, state, engine, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
+                                             draft_maps=draft_maps, devices=devices)
+  base_key = jax.random.PRNGKey(cfg.seed)
+  ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
+                      keep=cfg.checkpoint.keep)
+  start, data_position = 0, 0
+  if cfg.checkpoint.resume:
+    restored = ckpt.restore(state)
+    if restored is not None:
+      state, meta = restored
+      start, data_position = int(meta["step"]), int(meta["data_position"])
+      base_key = jnp.asarray(meta["rng"], jnp.uint32)
+  logger = MetricsLogger(cfg.log_dir or out_dir, total_steps=cfg.steps, initial_step=start,
+                         tensorboard=cfg.tensorboard, progress=cfg.progress)
+  timer, worker_times = PhaseTimer(), {k: [] for k in WORKER_PHASES}
+  completed, last, last_val, gaps = start, {}, {}, []
+  push = WeightPush(run.trainer, engine, gen_mesh)
+  produce = make_producer(run, engine, gen_mesh, base_key, start, data_position)
+  worker = RolloutWorker(produce, first_index=start, num_batches=cfg.steps - start,
+                         policy_lag=async_cfg.policy_lag, queue_size=async_cfg.queue_size)
+
+  def save() -> None:
+    ckpt.save(completed, state, rng=base_key, data_position=data_position,
+              extra={"reward/mean": last.get("reward/mean")})
+
+  try:
+    initial_push = _timed(lambda: push(state))
+    worker.start(start, initial_push[0])
+    for step in range(start, cfg.steps):
+      state, metrics, errors = async_step(run, async_cfg, state, step, worker, push, timer)
+      completed, data_position = step + 1, data_position + cfg.prompts_per_step
+      for k in WORKER_PHASES:
+        worker_times[k].append(metrics[f"time/{k}"])
+      gaps.append(metrics["async/version_gap"])
+      for msg in errors[:MAX_ERRORS_LOGGED]:
+        logger.log_event(completed, "reward_error", message=msg)
+      if errors:
+        warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
+                      f"first: {errors[0]}")
+      v = cfg.validation
+      if v.every and (completed % v.every == 0 or completed == cfg.steps):
+        last_val = validate(run, state, jax.random.fold_in(base_key, 1_000_000 + completed))
+        metrics.update(last_val)
+        for hook in validation_hooks:
+          hook(completed, last_val)
+      logger.log(completed, metrics)
+      last = metrics
+      for hook in hooks:
+        hook(completed, metrics)
+      if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
+        save()
+  except BaseException:
+    worker.close(async_cfg.shutdown_timeout_s)
+    if cfg.checkpoint.save_on_exit and completed > start:
+      try:
+        save()
+      except Exception as e:  # noqa: BLE001 - never mask the original error
+        warnings.warn(f"run_rl_async: saving a checkpoint on exit failed: {e!r}")
+    logger.close()
+    ckpt.close()
+    raise
+  worker.close(async_cfg.shutdown_timeout_s)
+  if cfg.checkpoint.save_on_exit and completed > start:
+    save()
+  logger.close()
+  ckpt.close()
+  phases = timer.summary()
+  if verbose:
+    print(format_summary(phases))
+  steps = max(completed - start, 1)
+  mean = lambda k: phases["phases"].get(k, {}).get("total_s", 0.0) / steps
+  return {"steps": completed, "start_step": start, "final": last, "validation": last_val,
+          "phases": phases, "out_dir": out_dir, "metrics_path": logger.path, "state": state,
+          "exposed_generation": mean("exposed_generation"), "weight_sync": mean("weight_sync"),
+          "initial_weight_sync": initial_push[1],
+          "effective_step_s": phases["mean_step_s_after_first"],
+          "worker_phases": {k: float(np.mean(v)) if v else 0.0 for k, v in worker_times.items()},
+          "version_gap": {"mean": float(np.mean(gaps)) if gaps else 0.0,
+                          "max": int(max(gaps, default=0)),
+                          "counts": {int(k): gaps.count(k) for k in sorted(set(gaps))}},
+          "batches": {"produced": worker.produced, "consumed": worker.consumed,
+                      "discarded": worker.discarded},
+          "async": dataclasses.asdict(async_cfg)}
