@@ -22,16 +22,6 @@ def answer_examples(task, n: int, seed: int) -> list[tuple[str, str]]:
   return [(e.prompt, e.answer) for e in task.examples(50_000_000 + 100_000 * seed, n)]
 
 
-def general_prompts(n: int, seed: int) -> list[list[int]]:
-  """A "general" prompt set for the out-of-domain draft comparison: word-like text."""
-  import numpy as np
-  from specjax.models import CharTokenizer
-
-  tok, rng = CharTokenizer(), np.random.default_rng(seed)
-  words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "home"]
-  return [tok.encode(" ".join(rng.choice(words, size=4)) + " ", bos=True) for _ in range(n)]
-
-
 DEFAULTS = ExperimentConfig(
     name="rl_zero",
     base=BaseModelConfig(steps=150, examples=4000, batch_size=64, lr=3e-3),
@@ -56,7 +46,7 @@ def main(argv=None) -> dict:
   from specjax.sharding import initialize_distributed
 
   initialize_distributed()
-  return run_experiment(cfg, base_examples=answer_examples, general_prompts=general_prompts)
+  return run_experiment(cfg, base_examples=answer_examples)
 
 
 if __name__ == "__main__":

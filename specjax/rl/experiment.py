@@ -129,6 +129,13 @@ def _atomic_dir(final: str, write: Callable[[str], None]) -> None:
   os.replace(tmp, final)
 
 
+def general_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
+  """A "general" prompt set for the out-of-domain draft comparison: word-like text."""
+  rng = np.random.default_rng(seed)
+  words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "home"]
+  return [tokenizer.encode(" ".join(rng.choice(words, size=4)) + " ", bos=True) for _ in range(n)]
+
+
 def build_tokenizer(cfg: ExperimentConfig):
   from specjax.models import CharTokenizer, load_tokenizer
 
@@ -194,10 +201,9 @@ def build_base_policy(cfg: ExperimentConfig, tokenizer, task, base_examples: Exa
   return load_pretrained(path, dtype=model_cfg.dtype, **overrides)
 
 
-def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, general_prompts: Callable,
-                     log=print):
+def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
   """Offline EAGLE-3 initialisation on the policy's rollouts (in-domain: the RL task's prompts;
-  general: `general_prompts(n, seed)`), cached under cache_dir."""
+  general: `general_prompts`, word-like text), cached under cache_dir."""
   import jax
   from specjax.eagle.checkpoint import load_head, save_head
   from specjax.eagle.train import DraftTrainConfig, train_draft_head
@@ -215,7 +221,7 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, general_pro
   if d.domain == "in-domain":
     prompts = [task.encode_prompt(e) for e in task.examples(10_000_000, d.prompts)]
   else:
-    prompts = general_prompts(d.prompts, cfg.rl.seed)
+    prompts = general_prompts(tokenizer, d.prompts, cfg.rl.seed)
   width = max(len(p) for p in prompts)
   toks, lens, _ = pad_prompts(prompts, width, tokenizer.pad_id)
   t0 = time.perf_counter()
@@ -242,8 +248,7 @@ def run_modes(cfg: ExperimentConfig) -> list[tuple[str, RLConfig]]:
 
 
 def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
-                   finetune_examples: Examples | None = None,
-                   general_prompts: Callable | None = None, log=print) -> dict[str, Any]:
+                   finetune_examples: Examples | None = None, log=print) -> dict[str, Any]:
   """All stages; returns the summary written to <out_dir>/<name>/summary.json."""
   from specjax.rl.report import write_report
 
@@ -255,7 +260,7 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   policy = build_base_policy(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
   head, maps = None, None
   if cfg.rl.draft.kind == "eagle3":
-    head, maps = build_draft_head(cfg, policy, tokenizer, task, general_prompts, log=log)
+    head, maps = build_draft_head(cfg, policy, tokenizer, task, log=log)
   initial = initial_validation(cfg, policy, tokenizer, task, log=log)
   results = {}
   for label, rl_cfg in run_modes(cfg):

@@ -1,0 +1,87 @@
+"""RL-Think: GRPO from a model fine-tuned to write a step-by-step scratchpad before its answer.
+
+Same AR-vs-speculative comparison as rl_zero.py, on longer and harder-to-predict completions
+("12+7-5=" -> "12+7=19,19-5=14#14"): expect a lower acceptance length than RL-Zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specjax.models import ModelConfig
+from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
+                               RolloutConfig, TaskConfig, ValidationConfig)
+from specjax.rl.experiment import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
+                                   parse_config, run_experiment)
+from specjax.rl.tasks import Example, Score, register_task
+from specjax.rl.tasks.arithmetic import ArithmeticTask
+
+
+class ScratchpadArithmeticTask(ArithmeticTask):
+  """Left-to-right + and - chains; the completion shows each partial result, then `#answer`."""
+
+  name = "arithmetic-think"
+
+  def __init__(self, cfg, tokenizer=None):
+    if set(cfg.operators) - set("+-"):
+      raise ValueError(f"TaskConfig.operators: arithmetic-think supports '+' and '-' only, "
+                       f"got {cfg.operators!r}")
+    super().__init__(cfg, tokenizer)
+
+  @staticmethod
+  def scratchpad(example: Example) -> str:
+    xs, ops = example.meta["operands"], example.meta["operators"]
+    steps, acc = [], xs[0]
+    for op, x in zip(ops, xs[1:]):
+      new = acc + x if op == "+" else acc - x
+      steps.append(f"{acc}{op}{x}={new}")
+      acc = new
+    return ",".join(steps) + f"#{acc}"
+
+  def score(self, completion: str, example: Example) -> Score:
+    if "#" not in completion:
+      return Score(reward=0.0, correct=False)
+    correct = completion.rsplit("#", 1)[1].strip() == example.answer
+    return Score(reward=float(correct) + self.cfg.format_reward, correct=correct)
+
+
+register_task("arithmetic-think", lambda cfg, tok: ScratchpadArithmeticTask(cfg, tok))
+
+
+def answer_examples(task, n: int, seed: int) -> list[tuple[str, str]]:
+  return [(e.prompt, e.answer) for e in task.examples(50_000_000 + 100_000 * seed, n)]
+
+
+def scratchpad_examples(task, n: int, seed: int) -> list[tuple[str, str]]:
+  return [(e.prompt, task.scratchpad(e)) for e in task.examples(60_000_000 + 100_000 * seed, n)]
+
+
+DEFAULTS = ExperimentConfig(
+    name="rl_think",
+    base=BaseModelConfig(steps=150, examples=4000, batch_size=64, lr=3e-3, finetune_steps=150),
+    draft_init=DraftInitConfig(steps=200, prompts=256, batch_size=32),
+    rl=RLConfig(
+        model=ModelConfig(vocab_size=64, hidden_size=64, num_layers=4, num_heads=4,
+                          num_kv_heads=2, head_dim=16, mlp_hidden=128, tie_embeddings=True),
+        task=TaskConfig(name="arithmetic-think", digits=2, operands=3, operators="+-"),
+        grpo=GRPOConfig(group_size=8),
+        policy_optim=OptimConfig(lr=1e-3, warmup_steps=2, clip_norm=1.0),
+        draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
+        draft=DraftConfig(kind="eagle3", draft_len=3, online=True, loss_weight=1.0),
+        rollout=RolloutConfig(temperature=1.0, max_new_tokens=24),
+        validation=ValidationConfig(every=10, num_prompts=128, batch_size=128),
+        checkpoint=CheckpointConfig(every=20),
+        steps=40, prompts_per_step=8, seed=0, progress=True),
+)
+
+
+def main(argv=None) -> dict:
+  cfg = parse_config(DEFAULTS, argv)
+  from specjax.sharding import initialize_distributed
+
+  initialize_distributed()
+  return run_experiment(cfg, base_examples=answer_examples, finetune_examples=scratchpad_examples)
+
+
+if __name__ == "__main__":
+  main()
