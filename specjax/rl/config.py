@@ -1,0 +1,294 @@
+"""The RL experiment config: one tree of frozen dataclasses, validated on construction.
+
+Load with `load_config(yaml_path, cli_args)`: YAML values override the defaults, then dotted CLI
+flags (tyro, e.g. `--grpo.group-size 8`) override the YAML.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, Sequence
+
+from specjax.models.config import ModelConfig
+from specjax.sharding.mesh import MeshConfig
+
+ADV_MODES = ("grpo", "drgrpo", "loo")
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
+SCHEDULES = ("constant", "cosine", "linear")
+DRAFT_KINDS = ("none", "eagle3", "draft-model", "mtp", "ngram", "group-ngram")
+ONLINE_KINDS = ("eagle3", "mtp")  # drafters whose loss can ride along in the train step
+
+
+def _check(cond: bool, where: str, msg: str) -> None:
+  if not cond:
+    raise ValueError(f"{where}: {msg}")
+
+
+def _one_of(value, allowed, where: str) -> None:
+  _check(value in allowed, where, f"must be one of {list(allowed)}, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  group_size: int = 8  # G samples per prompt
+  clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher)
+  clip_high: float = 0.28
+  beta: float = 0.0  # k3 KL coefficient to the frozen reference; 0 skips the reference forward
+  adv_mode: str = "grpo"  # grpo: (r - mean) / (std + eps); drgrpo: r - mean; loo: leave-one-out
+  loss_agg: str = "token-mean"
+  adv_eps: float = 1e-6
+
+  def __post_init__(self):
+    w = "GRPOConfig"
+    _check(self.group_size >= 1, f"{w}.group_size", f"must be >= 1, got {self.group_size}")
+    _check(self.adv_mode == "drgrpo" or self.group_size >= 2, f"{w}.group_size",
+           f"adv_mode={self.adv_mode!r} needs group_size >= 2, got {self.group_size}")
+    _check(0 <= self.clip_low < 1, f"{w}.clip_low", f"must be in [0, 1), got {self.clip_low}")
+    _check(self.clip_high >= 0, f"{w}.clip_high", f"must be >= 0, got {self.clip_high}")
+    _check(self.beta >= 0, f"{w}.beta", f"must be >= 0, got {self.beta}")
+    _check(self.adv_eps > 0, f"{w}.adv_eps", f"must be > 0, got {self.adv_eps}")
+    _one_of(self.adv_mode, ADV_MODES, f"{w}.adv_mode")
+    _one_of(self.loss_agg, LOSS_AGGS, f"{w}.loss_agg")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  """AdamW with warmup + schedule and global-norm clipping (one per parameter group)."""
+
+  lr: float = 1e-6
+  warmup_steps: int = 0
+  schedule: str = "constant"
+  decay_steps: int = 0  # steps of the cosine/linear decay after warmup; 0 -> RLConfig.steps
+  final_lr_ratio: float = 0.0
+  clip_norm: float = 1.0  # 0 disables clipping
+  weight_decay: float = 0.0
+  b1: float = 0.9
+  b2: float = 0.999
+  eps: float = 1e-8
+
+  def __post_init__(self):
+    w = "OptimConfig"
+    _check(self.lr >= 0, f"{w}.lr", f"must be >= 0, got {self.lr}")
+    _check(self.warmup_steps >= 0, f"{w}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
+    _check(self.decay_steps >= 0, f"{w}.decay_steps", f"must be >= 0, got {self.decay_steps}")
+    _check(0 <= self.final_lr_ratio <= 1, f"{w}.final_lr_ratio",
+           f"must be in [0, 1], got {self.final_lr_ratio}")
+    _check(self.clip_norm >= 0, f"{w}.clip_norm", f"must be >= 0, got {self.clip_norm}")
+    _check(self.weight_decay >= 0, f"{w}.weight_decay", f"must be >= 0, got {self.weight_decay}")
+    _check(0 <= self.b1 < 1, f"{w}.b1", f"must be in [0, 1), got {self.b1}")
+    _check(0 <= self.b2 < 1, f"{w}.b2", f"must be in [0, 1), got {self.b2}")
+    _check(self.eps > 0, f"{w}.eps", f"must be > 0, got {self.eps}")
+    _one_of(self.schedule, SCHEDULES, f"{w}.schedule")
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftConfig:
+  kind: str = "none"
+  draft_len: int = 3  # K, tokens proposed per speculative step
+  online: bool = False  # train the draft inside the RL train step (eagle3, mtp)
+  loss_weight: float = 1.0  # lambda in  loss = GRPO + lambda * draft loss
+  ttt_steps: int = 3  # EAGLE-3 training-time-test unroll
+  ngram_min: int = 1
+  ngram_max: int = 3
+  path: str = ""  # checkpoint or HF folder of an offline-trained draft
+
+  def __post_init__(self):
+    w = "DraftConfig"
+    _one_of(self.kind, DRAFT_KINDS, f"{w}.kind")
+    _check(self.draft_len >= 1, f"{w}.draft_len", f"must be >= 1, got {self.draft_len}")
+    _check(self.loss_weight >= 0, f"{w}.loss_weight", f"must be >= 0, got {self.loss_weight}")
+    _check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+    _check(1 <= self.ngram_min <= self.ngram_max, f"{w}.ngram_min",
+           f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+    _check(not self.online or self.kind in ONLINE_KINDS, f"{w}.online",
+           f"online adaptation needs kind in {list(ONLINE_KINDS)}, got kind={self.kind!r}")
+
+  @property
+  def speculative(self) -> bool:
+    return self.kind != "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  temperature: float = 1.0
+  top_k: int = 0  # 0 disables
+  top_p: float = 1.0
+  max_new_tokens: int = 64
+  max_prompt_len: int = 0  # prompts are padded to this; 0 -> longest prompt of the task
+  gen_dtype: str = ""  # "" -> the policy's own dtype (colocated: the very same arrays)
+  train_temperature: bool = True  # trainer logprobs use logits / temperature, like the sampler
+
+  def __post_init__(self):
+    w = "RolloutConfig"
+    _check(self.temperature >= 0, f"{w}.temperature", f"must be >= 0, got {self.temperature}")
+    _check(self.top_k >= 0, f"{w}.top_k", f"must be >= 0, got {self.top_k}")
+    _check(0 < self.top_p <= 1, f"{w}.top_p", f"must be in (0, 1], got {self.top_p}")
+    _check(self.max_new_tokens >= 1, f"{w}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
+    _check(self.max_prompt_len >= 0, f"{w}.max_prompt_len", f"must be >= 0, got {self.max_prompt_len}")
+    _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  name: str = "arithmetic"  # a key of specjax.rl.tasks.TASKS
+  # arithmetic
+  digits: int = 1
+  operands: int = 2
+  operators: str = "+"
+  # datasets (gsm8k / dapo / math): local JSONL or parquet
+  path: str = ""
+  val_path: str = ""
+  format: str = "auto"  # auto | gsm8k | dapo
+  chat_template: bool = True  # use the tokenizer's chat template when it has one
+  system_prompt: str = ""
+  instruction: str = ""  # appended to each question (e.g. "put the final answer in \\boxed{}")
+  reward_timeout_s: float = 5.0
+  format_reward: float = 0.0  # bonus for a well-formed answer, added to the correctness reward
+  dataset: str = ""  # reasoning_gym: the procedural dataset's name (e.g. "chain_sum")
+  dataset_size: int = 10000
+  val_size: int = 64
+  seed: int = 0
+
+  def __post_init__(self):
+    w = "TaskConfig"
+    _check(self.digits >= 1, f"{w}.digits", f"must be >= 1, got {self.digits}")
+    _check(self.operands >= 2, f"{w}.operands", f"must be >= 2, got {self.operands}")
+    _check(len(self.operators) >= 1 and set(self.operators) <= set("+-*"), f"{w}.operators",
+           f"must be a non-empty subset of '+-*', got {self.operators!r}")
+    _one_of(self.format, ("auto", "gsm8k", "dapo"), f"{w}.format")
+    _check(self.reward_timeout_s > 0, f"{w}.reward_timeout_s",
+           f"must be > 0, got {self.reward_timeout_s}")
+    _check(self.format_reward >= 0, f"{w}.format_reward", f"must be >= 0, got {self.format_reward}")
+    _check(self.val_size >= 0, f"{w}.val_size", f"must be >= 0, got {self.val_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidationConfig:
+  every: int = 0  # steps between validations; 0 disables
+  num_prompts: int = 64
+  greedy: bool = True  # greedy decoding; else sampled at the rollout temperature
+  batch_size: int = 64
+
+  def __post_init__(self):
+    w = "ValidationConfig"
+    _check(self.every >= 0, f"{w}.every", f"must be >= 0, got {self.every}")
+    _check(self.num_prompts >= 1, f"{w}.num_prompts", f"must be >= 1, got {self.num_prompts}")
+    _check(self.batch_size >= 1, f"{w}.batch_size", f"must be >= 1, got {self.batch_size}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 0  # steps between checkpoints; 0 -> only on exit
+  dir: str = ""  # "" -> <out_dir>/checkpoints
+  keep: int = 3
+  save_on_exit: bool = True
+  resume: bool = True  # continue from the latest good checkpoint in `dir`
+
+  def __post_init__(self):
+    _check(self.every >= 0, "CheckpointConfig.every", f"must be >= 0, got {self.every}")
+    _check(self.keep >= 1, "CheckpointConfig.keep", f"must be >= 1, got {self.keep}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  model: ModelConfig = ModelConfig()
+  grpo: GRPOConfig = GRPOConfig()
+  policy_optim: OptimConfig = OptimConfig()
+  draft_optim: OptimConfig = OptimConfig(lr=1e-4)
+  draft: DraftConfig = DraftConfig()
+  rollout: RolloutConfig = RolloutConfig()
+  task: TaskConfig = TaskConfig()
+  validation: ValidationConfig = ValidationConfig()
+  checkpoint: CheckpointConfig = CheckpointConfig()
+  mesh: MeshConfig = MeshConfig()
+  use_mesh: bool = False  # shard params / optimizer / batch over `mesh`
+  steps: int = 100
+  prompts_per_step: int = 8
+  micro_batches: int = 1  # gradient accumulation inside the train step
+  seed: int = 0
+  log_dir: str = ""  # "" -> <out_dir>
+  progress: bool = True
+  tensorboard: bool = True
+
+  def __post_init__(self):
+    w = "RLConfig"
+    _check(self.steps >= 0, f"{w}.steps", f"must be >= 0, got {self.steps}")
+    _check(self.prompts_per_step >= 1, f"{w}.prompts_per_step",
+           f"must be >= 1, got {self.prompts_per_step}")
+    _check(self.micro_batches >= 1, f"{w}.micro_batches", f"must be >= 1, got {self.micro_batches}")
+    _check(self.rollout_batch % self.micro_batches == 0, f"{w}.micro_batches",
+           f"must divide prompts_per_step * group_size = {self.rollout_batch}, "
+           f"got {self.micro_batches}")
+
+  @property
+  def rollout_batch(self) -> int:
+    return self.prompts_per_step * self.grpo.group_size
+
+  def replace(self, **kw) -> "RLConfig":
+    return dataclasses.replace(self, **kw)
+
+
+# -- YAML + CLI ------------------------------------------------------------------------------------
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+  origin = typing.get_origin(tp)
+  if dataclasses.is_dataclass(tp):
+    return from_dict(tp, value, where)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None:
+      return None
+    return _convert(args[0], value, where) if len(args) == 1 else value
+  if origin is tuple and isinstance(value, (list, tuple)):
+    return tuple(value)
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  return value
+
+
+def from_dict(cls: type, data: Any, where: str | None = None) -> Any:
+  """Build dataclass `cls` from a nested dict; unknown keys are errors that name the field."""
+  where = where or cls.__name__
+  if isinstance(data, cls):
+    return data
+  if not isinstance(data, dict):
+    raise ValueError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+  kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+  return cls(**kwargs)
+
+
+def load_config(yaml_path: str | None = None, cli_args: Sequence[str] | None = (),
+                base: RLConfig | None = None) -> RLConfig:
+  """Defaults (or `base`) <- YAML file <- CLI flags. `cli_args=None` reads sys.argv."""
+  cfg = base or RLConfig()
+  if yaml_path:
+    import yaml
+
+    with open(yaml_path) as f:
+      data = yaml.safe_load(f) or {}
+    merged = _merge(dataclasses.asdict(cfg), data, "RLConfig")
+    cfg = from_dict(RLConfig, merged)
+  if cli_args is None or len(cli_args):
+    import tyro
+
+    cfg = tyro.cli(RLConfig, default=cfg, args=cli_args)
+  return cfg
+
+
+def _merge(base: dict, over: dict, where: str) -> dict:
+  if not isinstance(over, dict):
+    raise ValueError(f"{where}: expected a mapping, got {type(over).__name__}")
+  out = dict(base)
+  for k, v in over.items():
+    if k not in base:
+      raise ValueError(f"{where}.{k}: unknown field; known: {sorted(base)}")
+    out[k] = _merge(base[k], v, f"{where}.{k}") if isinstance(base[k], dict) and v is not None \
+        else v
+  return out

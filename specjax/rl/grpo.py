@@ -1,0 +1,119 @@
+"""GRPO: group advantages (GRPO, Dr.GRPO, leave-one-out) and the clipped policy-gradient loss.
+
+Token arrays are [B, T] over *target* positions (token t+1 predicted at t); `mask` is 1 on the
+completion tokens the loss covers. The loss takes explicit denominators so that gradient
+accumulation over micro-batches sums to exactly the full-batch loss.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from specjax.rl.config import GRPOConfig
+
+
+def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
+                     eps: float = 1e-6) -> jax.Array:
+  """float32[N] advantages of rewards[N] laid out as N / G consecutive groups of G samples.
+
+  grpo: (r - mean) / (std + eps) with the unbiased std (ddof=1), as in TRL / verl;
+  drgrpo: r - mean (Dr.GRPO drops the std scaling);
+  loo: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean) (RLOO baseline).
+  """
+  r = jnp.asarray(rewards, jnp.float32)
+  if r.shape[0] % group_size:
+    raise ValueError(f"group_advantages: {r.shape[0]} rewards are not a multiple of "
+                     f"group_size={group_size}")
+  g = r.reshape(-1, group_size)
+  centered = g - g.mean(axis=1, keepdims=True)
+  if mode == "drgrpo":
+    adv = centered
+  elif mode == "grpo":
+    std = jnp.sqrt(jnp.sum(centered**2, axis=1, keepdims=True) / max(group_size - 1, 1))
+    adv = centered / (std + eps)
+  elif mode == "loo":
+    adv = centered * (group_size / max(group_size - 1, 1))
+  else:
+    raise ValueError(f"group_advantages: mode must be grpo, drgrpo or loo, got {mode!r}")
+  return adv.reshape(-1)
+
+
+@struct.dataclass
+class LossDenominators:
+  tokens: jax.Array  # float32 scalar: completion tokens in the full batch
+  seqs: jax.Array  # float32 scalar: sequences in the full batch
+
+
+def denominators(mask: jax.Array) -> LossDenominators:
+  return LossDenominators(tokens=jnp.maximum(mask.sum(), 1.0).astype(jnp.float32),
+                          seqs=jnp.asarray(mask.shape[0], jnp.float32))
+
+
+def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
+  """Schulman's k3 estimator of KL(pi || ref) per token: exp(d) - d - 1 with d = ref - pi >= 0."""
+  d = ref_logprobs - logprobs
+  return jnp.exp(d) - d - 1.0
+
+
+def aggregate(per_token: jax.Array, mask: jax.Array, agg: str,
+              denom: LossDenominators) -> jax.Array:
+  """Sum of this (micro-)batch's share of the full-batch mean under `agg`."""
+  if agg == "token-mean":
+    return jnp.sum(per_token * mask) / denom.tokens
+  if agg == "seq-mean-token-mean":
+    per_seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
+    return jnp.sum(per_seq) / denom.seqs
+  raise ValueError(f"aggregate: loss_agg must be token-mean or seq-mean-token-mean, got {agg!r}")
+
+
+def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
+              mask: jax.Array, cfg: GRPOConfig, ref_logprobs: jax.Array | None = None,
+              denom: LossDenominators | None = None) -> tuple[jax.Array, dict]:
+  """Clipped surrogate with separate low/high clip + beta * k3 KL. Arrays [B, T], advantages [B].
+
+  Returns (loss, metrics); metrics are token means over `mask` in this (micro-)batch, scaled like
+  the loss so that they too sum over micro-batches.
+  """
+  mask = mask.astype(jnp.float32)
+  denom = denominators(mask) if denom is None else denom
+  adv = advantages.astype(jnp.float32)[:, None]
+  log_ratio = logprobs - old_logprobs
+  ratio = jnp.exp(log_ratio)
+  clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+  pg = jnp.maximum(-adv * ratio, -adv * clipped)
+  per_token = pg
+  # the clipped branch binds (and has zero gradient) exactly where these hold
+  clip_low_hit = (ratio < 1.0 - cfg.clip_low) & (adv < 0)
+  clip_high_hit = (ratio > 1.0 + cfg.clip_high) & (adv > 0)
+  kl = jnp.zeros_like(logprobs)
+  if cfg.beta > 0:
+    if ref_logprobs is None:
+      raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
+    kl = k3_kl(logprobs, ref_logprobs)
+    per_token = per_token + cfg.beta * kl
+  loss = aggregate(per_token, mask, cfg.loss_agg, denom)
+  tok = lambda x: jnp.sum(x.astype(jnp.float32) * mask) / denom.tokens
+  metrics = {
+      "pg_loss": aggregate(pg, mask, cfg.loss_agg, denom),
+      "kl": tok(kl),
+      "clip_frac": tok(clip_low_hit | clip_high_hit),
+      "clip_low_frac": tok(clip_low_hit),
+      "clip_high_frac": tok(clip_high_hit),
+      "ratio_mean": tok(ratio),
+      "approx_kl_old": tok(0.5 * log_ratio**2),
+  }
+  return loss, metrics
+
+
+def token_logprobs(logits: jax.Array, targets: jax.Array,
+                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(logprob of targets [B, T], entropy [B, T]) under softmax(logits / temperature)."""
+  x = logits.astype(jnp.float32)
+  if temperature > 0 and temperature != 1.0:
+    x = x / temperature
+  logp = jax.nn.log_softmax(x, axis=-1)
+  lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
+  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  return lp, entropy

@@ -1,0 +1,145 @@
+"""Per-step metrics: JSONL with atomic line appends, TensorBoard scalars and a tqdm progress bar.
+
+Each record is written as one complete line with a single `write` + flush + fsync; a crash can at
+worst leave a torn final line, which `read_metrics` skips and reports and the next writer trims.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Any, Iterable
+
+import numpy as np
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _plain(v: Any) -> Any:
+  if isinstance(v, (str, bool)) or v is None:
+    return v
+  if isinstance(v, dict):
+    return {k: _plain(x) for k, x in v.items()}
+  if isinstance(v, (list, tuple)):
+    return [_plain(x) for x in v]
+  a = np.asarray(v)
+  if a.ndim == 0:
+    return int(a) if np.issubdtype(a.dtype, np.integer) else float(a)
+  return a.tolist()
+
+
+def _trim_torn_tail(path: str) -> int:
+  """Cut a final line that has no newline (a crash mid-append); returns the bytes removed."""
+  if not os.path.exists(path):
+    return 0
+  with open(path, "rb+") as f:
+    f.seek(0, os.SEEK_END)
+    size = f.tell()
+    if size == 0:
+      return 0
+    f.seek(size - 1)
+    if f.read(1) == b"\n":
+      return 0
+    back = min(size, 1 << 20)
+    f.seek(size - back)
+    tail = f.read(back)
+    cut = tail.rfind(b"\n")
+    keep = size - back + cut + 1 if cut >= 0 else 0
+    f.truncate(keep)
+    return size - keep
+
+
+def append_jsonl(path: str, record: dict) -> None:
+  """Append one record as one line, durably (write + flush + fsync)."""
+  line = (json.dumps(_plain(record), sort_keys=True) + "\n").encode()
+  fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+  try:
+    os.write(fd, line)
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def read_metrics(path: str, dedupe: bool = True, events: bool = False) -> list[dict]:
+  """Per-step records of a metrics JSONL (or, with `events`, the event records); a torn or corrupt
+  line is skipped with a warning. With `dedupe`, a step logged twice (a run resumed from an
+  earlier checkpoint) keeps its last record."""
+  if os.path.isdir(path):
+    path = os.path.join(path, METRICS_FILE)
+  records, bad = [], []
+  with open(path, "rb") as f:
+    for lineno, raw in enumerate(f, 1):
+      if not raw.strip():
+        continue
+      try:
+        records.append(json.loads(raw))
+      except ValueError:
+        bad.append(lineno)
+  if bad:
+    warnings.warn(f"read_metrics: skipped {len(bad)} torn/corrupt line(s) in {path}: {bad}")
+  records = [r for r in records if ("event" in r) == events]
+  if dedupe and not events:
+    by_step: dict[Any, dict] = {}
+    for r in records:
+      by_step[r.get("step", id(r))] = r
+    records = list(by_step.values())
+  return records
+
+
+class MetricsLogger:
+  """JSONL + TensorBoard + progress bar for one run (appends when resuming)."""
+
+  def __init__(self, log_dir: str, *, total_steps: int, initial_step: int = 0,
+               tensorboard: bool = True, progress: bool = True):
+    os.makedirs(log_dir, exist_ok=True)
+    self.path = os.path.join(log_dir, METRICS_FILE)
+    removed = _trim_torn_tail(self.path)
+    if removed:
+      warnings.warn(f"MetricsLogger: trimmed a torn final line ({removed} bytes) of {self.path}")
+    self.tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      self.tb = SummaryWriter(os.path.join(log_dir, "tb"))
+    self.bar = None
+    if progress:
+      from tqdm.auto import tqdm
+
+      self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", dynamic_ncols=True)
+
+  def log(self, step: int, metrics: dict) -> None:
+    record = {"step": int(step), **_plain(metrics)}
+    append_jsonl(self.path, record)
+    if self.tb is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and \
+            math.isfinite(v):
+          self.tb.add_scalar(k, v, step)
+    if self.bar is not None:
+      post = {}
+      for key, short in (("reward/mean", "reward"), ("spec/acceptance_length", "acc_len"),
+                         ("time/step", "step_s"), ("val/accuracy", "val")):
+        if key in record and isinstance(record[key], (int, float)):
+          post[short] = f"{record[key]:.3g}"
+      self.bar.set_postfix(post, refresh=False)
+      self.bar.update(1)
+
+  def log_event(self, step: int, kind: str, **fields) -> None:
+    """A non-metric record (e.g. a reward-function error) in the same JSONL."""
+    append_jsonl(self.path, {"step": int(step), "event": kind, **_plain(fields)})
+
+  def close(self) -> None:
+    if self.tb is not None:
+      self.tb.flush()
+      self.tb.close()
+      self.tb = None
+    if self.bar is not None:
+      self.bar.close()
+      self.bar = None
+
+
+def mean_metrics(records: Iterable[dict], key: str) -> float:
+  vals = [r[key] for r in records if key in r]
+  return float(np.mean(vals)) if vals else float("nan")

@@ -1,0 +1,256 @@
+"""The synchronous RL loop: data -> prepare -> gen -> reward -> logprob -> train, every phase timed.
+
+Entry point `run_rl(cfg, policy, tokenizer, task, draft=..., out_dir=...)` -> summary dict; per-step
+metrics go to JSONL + TensorBoard, checkpoints to orbax (periodic, on exit, on error), and a fixed
+held-out prompt set is scored every `cfg.validation.every` steps.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.rl.checkpoint import Checkpointer
+from specjax.rl.config import RLConfig
+from specjax.rl.grpo import group_advantages
+from specjax.rl.logging import MetricsLogger
+from specjax.rl.rollout import (RolloutEngine, acceptance_summary, build_drafter,
+                                decode_completions, pad_prompts, sequence_arrays)
+from specjax.rl.tasks import Task, compute_rewards, make_task
+from specjax.rl.timing import PhaseTimer, format_summary
+from specjax.rl.train_step import TrainBatch, Trainer, TrainState, split_mtp
+
+Hook = Callable[[int, dict], None]  # (step, metrics) after every step (metrics incl. validation)
+MAX_ERRORS_LOGGED = 5  # reward-function errors written to the JSONL per step
+
+
+@dataclasses.dataclass
+class RLRun:
+  """Everything a step needs; built once by `setup_run`."""
+
+  cfg: RLConfig
+  trainer: Trainer
+  engine: RolloutEngine
+  task: Task
+  tokenizer: Any
+  ref_params: Any  # frozen reference policy (beta > 0), else None
+  prompt_width: int
+  mesh: Any = None
+
+
+def _policy_split(policy) -> tuple[Any, Any]:
+  return nnx.split(policy) if isinstance(policy, nnx.Module) else policy
+
+
+def _initial_draft(cfg: RLConfig, policy_cfg, policy_params, draft, draft_maps):
+  """(draft params, draft_aux, head for the drafter) of the train state's "draft" group."""
+  kind = cfg.draft.kind
+  if kind == "eagle3":
+    from specjax.eagle.head import init_head
+    from specjax.eagle.vocab import identity_maps
+
+    head = draft if draft is not None else init_head(policy_cfg, seed=cfg.seed)
+    head_params = nnx.split(head)[1] if isinstance(head, nnx.Module) else head[1]
+    maps = draft_maps if draft_maps is not None else identity_maps(policy_cfg.vocab_size)
+    return policy_params, head_params, maps, head
+  if kind == "mtp":
+    trunk, mtp = split_mtp(policy_params)
+    return trunk, mtp, (), draft
+  return policy_params, None, (), draft
+
+
+def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, draft=None,
+              draft_maps=None) -> tuple[RLRun, TrainState]:
+  """Build trainer, rollout engine and the initial train state (on the mesh if cfg.use_mesh)."""
+  graphdef, params = _policy_split(policy)
+  policy_cfg = nnx.merge(graphdef, params).cfg
+  mesh = None
+  if cfg.use_mesh:
+    from specjax.sharding import make_mesh
+    mesh = make_mesh(cfg.mesh)
+  policy_params, draft_params, draft_aux, draft_obj = _initial_draft(cfg, policy_cfg, params,
+                                                                     draft, draft_maps)
+  drafter, drafter_params = build_drafter(cfg, graphdef, policy_cfg, draft_obj)
+  draft_graphdef = getattr(drafter, "graphdef", None) if cfg.draft.kind == "eagle3" else None
+  trainer = Trainer(cfg, graphdef, draft_graphdef, mesh=mesh)
+  state = trainer.init_state(policy_params, draft_params, draft_aux)
+  task = task if task is not None else make_task(cfg.task, tokenizer)
+  engine = RolloutEngine(cfg, graphdef, tokenizer, drafter, drafter_params)
+  ref = trainer.forward_params(state.params) if cfg.grpo.beta > 0 else None
+  width = cfg.rollout.max_prompt_len or getattr(task, "max_prompt_len", 0)
+  return RLRun(cfg, trainer, engine, task, tokenizer, ref, width, mesh), state
+
+
+def _width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
+  if run.prompt_width:
+    return run.prompt_width
+  longest = max(len(p) for p in prompts)
+  return -(-longest // 32) * 32  # buckets of 32 keep the number of compiled shapes small
+
+
+def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_position: int,
+            timer: PhaseTimer) -> tuple[TrainState, dict, list[str]]:
+  """One synchronous RL step. Returns (new state, metrics, reward-function error messages)."""
+  cfg = run.cfg
+  g, n_prompts = cfg.grpo.group_size, cfg.prompts_per_step
+  with timer.phase("data") as p:
+    examples = run.task.examples(data_position, n_prompts)
+    ids = [run.task.encode_prompt(e) for e in examples]
+    prompts, lengths, cut = pad_prompts(ids, _width(run, ids), run.tokenizer.pad_id, repeat=g)
+    prompts, lengths = p.sync((jnp.asarray(prompts), jnp.asarray(lengths)))
+  with timer.phase("prepare") as p:
+    gen_params, drafter_params = p.sync(run.engine.prepare(
+        state.params, run.trainer.forward_params(state.params), state.draft_aux))
+  with timer.phase("gen") as p:
+    rollout = p.sync(run.engine.generate(gen_params, drafter_params, prompts, lengths,
+                                         jax.random.fold_in(key, 0)))
+  with timer.phase("reward"):
+    texts = decode_completions(run.tokenizer, rollout)
+    rep = [e for e in examples for _ in range(g)]
+    rewards = compute_rewards(run.task.score, texts, rep)
+    adv = group_advantages(rewards.rewards, g, cfg.grpo.adv_mode, cfg.grpo.adv_eps)
+  with timer.phase("logprob") as p:
+    tokens, mask, sampler_lp = sequence_arrays(rollout)
+    fwd = run.trainer.forward_params(state.params)
+    old = run.trainer.logprobs(fwd, tokens) * mask
+    ref = run.trainer.logprobs(run.ref_params, tokens) * mask if run.ref_params is not None \
+        else jnp.zeros_like(old)
+    delta = jnp.abs(old - sampler_lp) * mask
+    mismatch = {"mismatch/mean_abs": jnp.sum(delta) / jnp.maximum(mask.sum(), 1.0),
+                "mismatch/max_abs": jnp.max(delta)}
+    batch = TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, old_logprobs=old,
+                       ref_logprobs=ref)
+    p.sync((batch, mismatch))
+  with timer.phase("train") as p:
+    state, train_metrics = run.trainer.step(state, batch)
+    p.sync((state, train_metrics))
+  r = rewards.rewards.reshape(-1, g)
+  comp_len = np.asarray(jax.device_get(rollout.lengths))
+  metrics = {
+      "reward/mean": float(r.mean()), "reward/std": float(r.std()),
+      "reward/accuracy": float(rewards.correct.mean()), "reward/errors": len(rewards.errors),
+      "reward/zero_std_groups": float(np.mean(r.std(axis=1) == 0)),
+      "response/length_mean": float(comp_len.mean()), "response/length_max": int(comp_len.max()),
+      "response/truncated": float(1.0 - np.asarray(jax.device_get(rollout.eos)).mean()),
+      "data/position": data_position + n_prompts, "data/prompts_cut": cut,
+      **{k: float(v) for k, v in jax.device_get(mismatch).items()},
+      **{k: float(v) for k, v in jax.device_get(train_metrics).items()},
+      **acceptance_summary(rollout),
+  }
+  return state, metrics, rewards.errors
+
+
+def validate(run: RLRun, state: TrainState, key: jax.Array) -> dict[str, float]:
+  """Accuracy and mean reward on the task's fixed held-out prompts (greedy or sampled)."""
+  v = run.cfg.validation
+  examples = run.task.validation(v.num_prompts)
+  if not examples:
+    return {}
+  gen_params, drafter_params = run.engine.prepare(
+      state.params, run.trainer.forward_params(state.params), state.draft_aux)
+  ids = [run.task.encode_prompt(e) for e in examples]
+  width = _width(run, ids)
+  rewards, correct, lengths, acc_len = [], [], [], []
+  for i, start in enumerate(range(0, len(examples), v.batch_size)):
+    chunk = ids[start:start + v.batch_size]
+    n = len(chunk)
+    chunk = chunk + [chunk[-1]] * (v.batch_size - n)  # one static shape for every chunk
+    prompts, lens, _ = pad_prompts(chunk, width, run.tokenizer.pad_id)
+    rollout = run.engine.generate(gen_params, drafter_params, jnp.asarray(prompts),
+                                  jnp.asarray(lens), jax.random.fold_in(key, i), greedy=v.greedy,
+                                  group_size=1)
+    texts = decode_completions(run.tokenizer, rollout)[:n]
+    rb = compute_rewards(run.task.score, texts, examples[start:start + n])
+    rewards.append(rb.rewards)
+    correct.append(rb.correct)
+    lengths.append(np.asarray(jax.device_get(rollout.lengths))[:n])
+    acc_len.append(acceptance_summary(rollout).get("spec/acceptance_length", np.nan))
+  out = {"val/accuracy": float(np.concatenate(correct).mean()),
+         "val/reward": float(np.concatenate(rewards).mean()),
+         "val/length_mean": float(np.concatenate(lengths).mean())}
+  if not np.all(np.isnan(acc_len)):
+    out["val/acceptance_length"] = float(np.nanmean(acc_len))
+  return out
+
+
+def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
+           draft=None, draft_maps=None, hooks: Sequence[Hook] = (),
+           validation_hooks: Sequence[Hook] = (), stop_after: int | None = None,
+           verbose: bool = True) -> dict[str, Any]:
+  """Run GRPO up to cfg.steps steps (resuming from the newest good checkpoint in the run's
+  checkpoint dir when cfg.checkpoint.resume); `stop_after` ends this call after that many steps
+  (a time-sliced job: the schedules still span cfg.steps). `policy` is a `Decoder` or its
+  (graphdef, params); `draft` the EAGLE-3 head or the draft `Decoder` when the kind needs one.
+
+  Returns a summary: steps run, last metrics, last validation, the phase breakdown, paths and the
+  final train state ("state")."""
+  os.makedirs(out_dir, exist_ok=True)
+  run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
+  base_key = jax.random.PRNGKey(cfg.seed)
+  ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
+                      keep=cfg.checkpoint.keep)
+  start, data_position = 0, 0
+  if cfg.checkpoint.resume:
+    restored = ckpt.restore(state)
+    if restored is not None:
+      state, meta = restored
+      start, data_position = int(meta["step"]), int(meta["data_position"])
+      base_key = jnp.asarray(meta["rng"], jnp.uint32)
+  logger = MetricsLogger(cfg.log_dir or out_dir, total_steps=cfg.steps, initial_step=start,
+                         tensorboard=cfg.tensorboard, progress=cfg.progress)
+  timer = PhaseTimer()
+  completed, last, last_val = start, {}, {}
+
+  def save() -> None:
+    ckpt.save(completed, state, rng=base_key, data_position=data_position,
+              extra={"reward/mean": last.get("reward/mean")})
+
+  try:
+    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
+    for step in range(start, end):
+      state, metrics, errors = rl_step(run, state, step, jax.random.fold_in(base_key, step),
+                                       data_position, timer)
+      completed, data_position = step + 1, data_position + cfg.prompts_per_step
+      metrics.update(timer.end_step())
+      for msg in errors[:MAX_ERRORS_LOGGED]:
+        logger.log_event(completed, "reward_error", message=msg)
+      if errors:
+        warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
+                      f"first: {errors[0]}")
+      v = cfg.validation
+      if v.every and (completed % v.every == 0 or completed == cfg.steps):
+        last_val = validate(run, state, jax.random.fold_in(base_key, 1_000_000 + completed))
+        metrics.update(last_val)
+        for hook in validation_hooks:
+          hook(completed, last_val)
+      logger.log(completed, metrics)
+      last = metrics
+      for hook in hooks:
+        hook(completed, metrics)
+      if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
+        save()
+  except BaseException:
+    if cfg.checkpoint.save_on_exit and completed > start:
+      try:
+        save()  # the state after the last completed step; then the error goes on
+      except Exception as e:  # noqa: BLE001 - never mask the original error
+        warnings.warn(f"run_rl: saving a checkpoint on exit failed: {e!r}")
+    logger.close()
+    ckpt.close()
+    raise
+  if cfg.checkpoint.save_on_exit and completed > start:
+    save()
+  logger.close()
+  ckpt.close()
+  phases = timer.summary()
+  if verbose:
+    print(format_summary(phases))
+  return {"steps": completed, "start_step": start, "final": last, "validation": last_val,
+          "phases": phases, "out_dir": out_dir, "metrics_path": logger.path, "state": state}

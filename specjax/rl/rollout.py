@@ -1,0 +1,173 @@
+"""The rollout side of the RL loop: sampler and drafter built from the config, the "prepare" phase
+that hands the current weights to the sampler, and the conversion of a `Rollout` to a train batch.
+
+Colocated prepare hands over the very arrays of the train state (no copy); it casts only when the
+generation dtype differs from the parameters' dtype.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.models.config import DTYPES
+from specjax.rl.config import RLConfig
+from specjax.sampling import (AcceptanceMetrics, Drafter, GroupNgramDrafter,
+                              NgramDrafter, Rollout, SamplingConfig, generate,
+                              speculative_generate)
+
+
+def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
+  r = cfg.rollout
+  return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
+                        top_k=r.top_k or None, top_p=r.top_p if r.top_p < 1.0 else None,
+                        eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
+
+
+def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None) -> tuple[Drafter | None, Any]:
+  """(drafter, fixed drafter params) for cfg.draft.kind. `draft`: the draft `Decoder` (or its
+  split) for "draft-model"; the EAGLE-3 head (module or split) for "eagle3"; unused otherwise.
+  Drafters whose params follow training (eagle3, mtp) get them from `RolloutEngine.prepare`."""
+  d = cfg.draft
+  k = d.draft_len
+  if d.kind == "none":
+    return None, None
+  if d.kind == "ngram":
+    return NgramDrafter(draft_len=k, n=d.ngram_max, min_n=d.ngram_min), ()
+  if d.kind == "group-ngram":
+    return GroupNgramDrafter(draft_len=k, n=d.ngram_max, min_n=d.ngram_min,
+                             group_size=cfg.grpo.group_size), ()
+  if d.kind == "draft-model":
+    from specjax.sampling import DraftModelDrafter
+
+    if draft is None:
+      raise ValueError("DraftConfig.kind='draft-model' needs a draft Decoder (run_rl(draft=...))")
+    graphdef, params = nnx.split(draft) if isinstance(draft, nnx.Module) else draft
+    vocab = nnx.merge(graphdef, params).cfg.vocab_size
+    return DraftModelDrafter(draft_len=k, vocab_size=vocab, graphdef=graphdef), params
+  if d.kind == "eagle3":
+    from specjax.eagle.drafter import Eagle3Drafter
+
+    if draft is None:
+      raise ValueError("DraftConfig.kind='eagle3' needs the EAGLE-3 head (module or split)")
+    head = draft if isinstance(draft, nnx.Module) else nnx.merge(*draft)
+    return Eagle3Drafter(draft_len=k, vocab_size=policy_cfg.vocab_size,
+                         graphdef=nnx.graphdef(head), head_cfg=head.cfg), None
+  if d.kind == "mtp":
+    from specjax.eagle.mtp import MtpDrafter
+
+    if not policy_cfg.mtp:
+      raise ValueError("DraftConfig.kind='mtp' needs a policy with an MTP module (ModelConfig.mtp)")
+    return MtpDrafter(draft_len=k, vocab_size=policy_cfg.vocab_size, graphdef=policy_graphdef,
+                      model_cfg=policy_cfg), None
+  raise ValueError(f"DraftConfig.kind: unknown {d.kind!r}")
+
+
+def cast_floats(tree: Any, dtype) -> Any:
+  def one(x):
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
+      return x.astype(dtype)
+    return x
+  return jax.tree.map(one, tree)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RolloutEngine:
+  """AR or speculative sampling of G completions per prompt with the current policy."""
+
+  cfg: RLConfig
+  policy_graphdef: Any
+  tokenizer: Any
+  drafter: Drafter | None = None
+  drafter_params: Any = None  # fixed params (draft model); None when they follow training
+
+  def prepare(self, params: dict, forward_params: Any, draft_aux: Any = ()) -> tuple[Any, Any]:
+    """(policy params, drafter params) for the sampler from the train state's params. Colocated:
+    the same arrays; cast to cfg.rollout.gen_dtype when it differs."""
+    policy = forward_params
+    if self.cfg.rollout.gen_dtype:
+      policy = cast_floats(policy, DTYPES[self.cfg.rollout.gen_dtype])
+    kind = self.cfg.draft.kind
+    if kind == "eagle3":
+      from specjax.eagle.drafter import Eagle3Params
+
+      embed = policy["embed"][...]
+      drafter_params = Eagle3Params(head=params["draft"], embed=embed, maps=draft_aux)
+    elif kind == "mtp":
+      drafter_params = policy
+    else:
+      drafter_params = self.drafter_params
+    return policy, drafter_params
+
+  def generate(self, policy, drafter_params, prompts: jax.Array, prompt_lengths: jax.Array,
+               key: jax.Array, greedy: bool = False, group_size: int | None = None) -> Rollout:
+    scfg = sampling_config(self.cfg, self.tokenizer, greedy)
+    if self.drafter is None:
+      return generate((self.policy_graphdef, policy), prompts, prompt_lengths, key, scfg)
+    drafter = self.drafter
+    if isinstance(drafter, GroupNgramDrafter) and group_size is not None and \
+        group_size != drafter.group_size:
+      drafter = dataclasses.replace(drafter, group_size=group_size)
+    return speculative_generate((self.policy_graphdef, policy), drafter, drafter_params, prompts,
+                                prompt_lengths, key, scfg)
+
+
+def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int,
+                repeat: int = 1) -> tuple[np.ndarray, np.ndarray, int]:
+  """Right-padded int32[N * repeat, width] prompts (each repeated `repeat` times, consecutively),
+  their lengths, and how many prompts were cut (kept: the last `width` tokens)."""
+  n = len(prompts)
+  out = np.full((n, width), pad_id, np.int32)
+  lengths = np.zeros((n,), np.int32)
+  cut = 0
+  for i, p in enumerate(prompts):
+    if len(p) > width:
+      p, cut = p[-width:], cut + 1
+    out[i, :len(p)] = p
+    lengths[i] = len(p)
+  return np.repeat(out, repeat, axis=0), np.repeat(lengths, repeat), cut
+
+
+def sequence_arrays(rollout: Rollout) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """(tokens [B, S], loss mask float32[B, S] on completion tokens, sampler logprobs [B, S]) in the
+  sequence layout of the train batch (position j holds token j)."""
+  tokens = rollout.sequences
+  s = tokens.shape[1]
+  j = jnp.arange(s)[None, :]
+  start = rollout.prompt_lengths[:, None]
+  mask = (j >= start) & (j < start + rollout.lengths[:, None])
+  idx = jnp.clip(j - start, 0, rollout.logprobs.shape[1] - 1)
+  lp = jnp.where(mask, jnp.take_along_axis(rollout.logprobs, idx, axis=1), 0.0)
+  return tokens, mask.astype(jnp.float32), lp
+
+
+def acceptance_summary(rollout: Rollout) -> dict[str, float]:
+  """vLLM-convention acceptance numbers of a speculative rollout ({} for AR)."""
+  if rollout.stats is None:
+    return {}
+  m = AcceptanceMetrics.from_counts(rollout.stats)
+  out = {"spec/acceptance_length": m.acceptance_length, "spec/acceptance_rate": m.acceptance_rate,
+         "spec/num_drafts": m.num_drafts}
+  if rollout.num_steps is not None:
+    out["spec/verify_steps"] = int(rollout.num_steps)
+  for i, r in enumerate(m.per_position_acceptance_rate):
+    out[f"spec/accept_pos{i}"] = r
+  return out
+
+
+def decode_completions(tokenizer, rollout: Rollout) -> list[str]:
+  tokens = np.asarray(jax.device_get(rollout.tokens))
+  lengths = np.asarray(jax.device_get(rollout.lengths))
+  eos = set(int(e) for e in tokenizer.eos_ids)
+  texts = []
+  for row, n in zip(tokens, lengths):
+    ids = [int(t) for t in row[:n]]
+    if ids and ids[-1] in eos:
+      ids = ids[:-1]
+    texts.append(tokenizer.decode(ids))
+  return texts
