@@ -1,1 +1,25 @@
-"""specjax.rl"""
+"""GRPO with speculative rollouts: config, loss, the SPMD train step, the sync loop, checkpoints,
+metrics and tasks. Names below are imported lazily (`from specjax.rl import run_rl`)."""
+
+import importlib
+
+_EXPORTS = {
+    "RLConfig": "config", "GRPOConfig": "config", "OptimConfig": "config", "DraftConfig": "config",
+    "RolloutConfig": "config", "TaskConfig": "config", "ValidationConfig": "config",
+    "CheckpointConfig": "config", "load_config": "config",
+    "group_advantages": "grpo", "grpo_loss": "grpo",
+    "Trainer": "train_step", "TrainBatch": "train_step", "TrainState": "train_step",
+    "run_rl": "loop", "setup_run": "loop", "rl_step": "loop", "validate": "loop",
+    "RolloutEngine": "rollout", "Checkpointer": "checkpoint", "MetricsLogger": "logging",
+    "read_metrics": "logging", "PhaseTimer": "timing", "pretrain_lm": "pretrain",
+    "make_task": "tasks", "TASKS": "tasks",
+}
+
+
+def __getattr__(name):
+  if name not in _EXPORTS:
+    raise AttributeError(f"module 'specjax.rl' has no attribute {name!r}")
+  return getattr(importlib.import_module(f"specjax.rl.{_EXPORTS[name]}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -19,6 +19,10 @@ import numpy as np
 COMMITTED_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it last into a finalized step dir
 
 
+class CheckpointMismatch(ValueError):
+  """The checkpoint holds a differently structured train state (another model/draft/optimizer)."""
+
+
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves]
@@ -88,16 +92,15 @@ class Checkpointer:
       x = x if hasattr(x, "dtype") else np.asarray(x)
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
-    target = {f"{i:06d}": abstract(x) for i, x in enumerate(leaves)}
     args = self.ocp.args
-    out = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(target),
-                                                         meta=args.JsonRestore()))
-    meta = dict(out["meta"])
+    meta = dict(self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"])
     if meta["paths"] != paths:
       diff = next((f"{a} != {b}" for a, b in zip(meta["paths"], paths) if a != b),
                   f"{len(meta['paths'])} leaves saved vs {len(paths)} in the template")
-      raise ValueError(f"checkpoint {step} in {self.directory} does not match the current train "
-                       f"state ({diff}): different model, draft or optimizer config?")
+      raise CheckpointMismatch(f"checkpoint {step} in {self.directory} does not match the current "
+                               f"train state ({diff}): different model, draft or optimizer config?")
+    target = {f"{i:06d}": abstract(x) for i, x in enumerate(leaves)}
+    out = self.manager.restore(step, args=args.Composite(state=args.StandardRestore(target)))
     restored = [out["state"][f"{i:06d}"] for i in range(len(leaves))]
     treedef = jax.tree_util.tree_structure(template)
     meta["rng"] = np.asarray(meta["rng"], np.uint32)
@@ -111,7 +114,7 @@ class Checkpointer:
     for s in sorted(self.steps(), reverse=True):
       try:
         return self._restore_step(s, template)
-      except ValueError:
+      except CheckpointMismatch:
         raise
       except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to an older one
         warnings.warn(f"Checkpointer: checkpoint {s} in {self.directory} does not restore "

@@ -1,0 +1,126 @@
+"""Checkpoints: round trip of the whole train state, keep-last-N, and interrupted saves that must
+never cost the last good checkpoint."""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.eagle.head import init_head
+from specjax.eagle.vocab import identity_maps
+from specjax.models import Decoder, ModelConfig
+from specjax.rl.checkpoint import Checkpointer
+from specjax.rl.config import DraftConfig, RLConfig
+from specjax.rl.train_step import Trainer
+from specjax.sharding import MeshConfig, make_mesh
+
+MODEL = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                    head_dim=8, mlp_hidden=32)
+CFG = RLConfig(model=MODEL, draft=DraftConfig(kind="eagle3", online=True))
+
+
+def _state(seed: int, mesh=None):
+  pg, pp = nnx.split(Decoder(MODEL, rngs=nnx.Rngs(seed)))
+  hg, hp = nnx.split(init_head(MODEL, seed=seed + 1))
+  trainer = Trainer(CFG, pg, hg, mesh=mesh)
+  state = trainer.init_state(pp, hp, identity_maps(MODEL.vocab_size))
+  # make the optimizer moments non-trivial so that a mix-up would show
+  return state.replace(opt_state=jax.tree.map(lambda x: x + 0.5 if x.dtype == jnp.float32 else x,
+                                              state.opt_state), step=jnp.int32(seed))
+
+
+def _assert_same(a, b):
+  la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+  assert len(la) == len(lb)
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_the_whole_train_state_rng_and_data_position_round_trip(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), keep=2)
+  state = _state(3)
+  key = jax.random.PRNGKey(42)
+  assert ckpt.save(5, state, rng=key, data_position=40, extra={"note": "x"})
+  assert not ckpt.save(5, state, rng=key, data_position=40)  # an existing step is left alone
+  restored, meta = ckpt.restore(_state(0))
+  _assert_same(restored, state)
+  assert meta["step"] == 5 and meta["data_position"] == 40 and meta["extra"] == {"note": "x"}
+  np.testing.assert_array_equal(meta["rng"], np.asarray(key))
+  assert jax.tree.structure(restored) == jax.tree.structure(state)
+  ckpt.close()
+
+
+def test_only_the_last_n_checkpoints_are_kept(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), keep=2)
+  state = _state(1)
+  for step in (1, 2, 3):
+    ckpt.save(step, state, rng=jax.random.PRNGKey(step), data_position=step)
+  assert ckpt.steps() == [2, 3]
+  assert sorted(n for n in os.listdir(tmp_path) if n.isdigit()) == ["2", "3"]
+  ckpt.close()
+
+
+def test_an_interrupted_save_never_costs_the_last_good_checkpoint(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), keep=3)
+  good = _state(2)
+  ckpt.save(2, good, rng=jax.random.PRNGKey(2), data_position=16)
+  ckpt.close()
+  # a crash during the save of step 4: orbax's temporary dir is left behind ...
+  os.makedirs(tmp_path / "4.orbax-checkpoint-tmp-1700000000" / "state")
+  # ... and a crash while something copied step 6 into place: a step dir without its metadata
+  shutil.copytree(tmp_path / "2" / "state", tmp_path / "6" / "state")
+  with pytest.warns(UserWarning, match="incomplete"):
+    ckpt = Checkpointer(str(tmp_path), keep=3)
+  assert ckpt.latest_step() == 2
+  restored, meta = ckpt.restore(_state(0))
+  _assert_same(restored, good)
+  assert meta["step"] == 2
+  # the run goes on and can write those steps again
+  assert ckpt.save(4, _state(4), rng=jax.random.PRNGKey(4), data_position=32)
+  assert ckpt.save(6, _state(6), rng=jax.random.PRNGKey(6), data_position=48)
+  assert ckpt.latest_step() == 6
+  ckpt.close()
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
+  ckpt = Checkpointer(str(tmp_path), keep=3)
+  older, newer = _state(1), _state(2)
+  ckpt.save(1, older, rng=jax.random.PRNGKey(1), data_position=8)
+  ckpt.save(2, newer, rng=jax.random.PRNGKey(2), data_position=16)
+  state_dir = tmp_path / "2" / "state"
+  for root, _, files in os.walk(state_dir):  # lose the array data, keep the markers
+    for f in files:
+      if "metadata" not in f.lower():
+        os.remove(os.path.join(root, f))
+  with pytest.warns(UserWarning, match="does not restore"):
+    restored, meta = ckpt.restore(_state(0))
+  assert meta["step"] == 1
+  _assert_same(restored, older)
+  ckpt.close()
+
+
+def test_restoring_into_a_different_train_state_names_the_mismatch(tmp_path):
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, _state(1), rng=jax.random.PRNGKey(1), data_position=8)
+  pg, pp = nnx.split(Decoder(MODEL, rngs=nnx.Rngs(0)))
+  plain = Trainer(RLConfig(model=MODEL), pg).init_state(pp)  # no draft head
+  with pytest.raises(ValueError, match="does not match the current train state"):
+    ckpt.restore(plain)
+  ckpt.close()
+
+
+def test_restore_places_arrays_with_the_template_shardings(tmp_path):
+  ckpt = Checkpointer(str(tmp_path))
+  state = _state(1)
+  ckpt.save(1, state, rng=jax.random.PRNGKey(1), data_position=8)
+  mesh = make_mesh(MeshConfig(2, 2, 2))
+  template = _state(0, mesh=mesh)
+  restored, _ = ckpt.restore(template)
+  _assert_same(restored, state)
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(template)):
+    assert got.sharding == want.sharding
+  ckpt.close()

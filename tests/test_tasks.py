@@ -1,0 +1,192 @@
+"""Tasks and verifiers: the arithmetic generator, GSM8K / DAPO-Math loaders with file:line errors,
+chat templates, math-verify rewards under a timeout, the registry."""
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from specjax.models import CharTokenizer, HFTokenizer
+from specjax.rl.config import TaskConfig
+from specjax.rl.tasks import Example, Score, compute_rewards, make_task
+from specjax.rl.tasks.arithmetic import ArithmeticTask, evaluate
+from specjax.rl.tasks.math_data import (FALLBACK_TEMPLATE, MathDatasetTask, load_math_dataset,
+                                        render_chat)
+from specjax.rl.tasks.rewards import exact_answer_reward, extract_answer, math_verify_reward
+
+TOK = CharTokenizer()
+
+
+def test_arithmetic_examples_are_deterministic_and_follow_the_difficulty_knobs():
+  task = ArithmeticTask(TaskConfig(digits=2, operands=3, operators="+-*", seed=7), TOK)
+  a, b = task.examples(10, 5), task.examples(10, 5)
+  assert a == b and task.example(12) == a[2]
+  assert a != ArithmeticTask(TaskConfig(digits=2, operands=3, operators="+-*", seed=8),
+                             TOK).examples(10, 5)
+  for ex in task.examples(0, 200):
+    xs, ops = ex.meta["operands"], ex.meta["operators"]
+    assert len(xs) == 3 and all(0 <= x < 100 for x in xs) and set(ops) <= set("+-*")
+    assert ex.prompt.endswith("=") and int(ex.answer) == evaluate(xs, ops)
+    assert len(task.encode_prompt(ex)) <= task.max_prompt_len
+    assert len(ex.answer) <= task.max_answer_len
+  assert evaluate([2, 3, 4], ["+", "*"]) == 14 and evaluate([9, 3, 2], ["-", "-"]) == 4
+  assert task.validation(4) == task.validation(4) and task.validation(4) != task.examples(0, 4)
+
+
+def test_arithmetic_reward_is_exact_match_with_an_optional_format_bonus():
+  ex = Example(prompt="12+7=", answer="19")
+  plain = ArithmeticTask(TaskConfig(), TOK)
+  assert plain.score("19", ex) == Score(1.0, True)
+  assert plain.score(" 19 ", ex) == Score(1.0, True)
+  assert plain.score("18", ex) == Score(0.0, False)
+  bonus = ArithmeticTask(TaskConfig(format_reward=0.1), TOK)
+  assert bonus.score("19", ex).reward == pytest.approx(1.1)
+  assert bonus.score("18", ex).reward == pytest.approx(0.1)
+  assert bonus.score("1a", ex).reward == 0.0
+
+
+def _write_jsonl(path, rows):
+  path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+  return str(path)
+
+
+def test_gsm8k_rows_load_with_the_final_answer_after_the_hash_marks(tmp_path):
+  path = _write_jsonl(tmp_path / "gsm8k.jsonl", [
+      {"question": "Tom has 3 apples and buys 4. How many?", "answer": "3+4=7\n#### 7"},
+      {"question": "Big?", "answer": "lots\n#### 1,200"}])
+  rows = load_math_dataset(path, instruction="Answer in \\boxed{}.")
+  assert [r.answer for r in rows] == ["7", "1200"]
+  assert rows[0].messages == ({"role": "user",
+                               "content": "Tom has 3 apples and buys 4. How many?\n"
+                                          "Answer in \\boxed{}."},)
+  assert rows[1].where.endswith("gsm8k.jsonl:2")
+
+
+def test_dapo_rows_load_from_jsonl_and_parquet_with_chat_message_prompts(tmp_path):
+  row = {"data_source": "math_dapo", "ability": "MATH",
+         "prompt": [{"role": "user", "content": "Compute 6*7. Answer: $Answer"}],
+         "reward_model": {"ground_truth": "42", "style": "rule-lighteval/MATH_v2"},
+         "extra_info": {"index": "a1"}}
+  rows = load_math_dataset(_write_jsonl(tmp_path / "dapo.jsonl", [row]), system_prompt="Be brief.")
+  assert rows[0].answer == "42"
+  assert rows[0].messages[0] == {"role": "system", "content": "Be brief."}
+  assert rows[0].messages[1]["content"].startswith("Compute 6*7")
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.Table.from_pylist([row, dict(row, reward_model={"ground_truth": "7"})]),
+                 tmp_path / "dapo.parquet")
+  rows = load_math_dataset(str(tmp_path / "dapo.parquet"), fmt="dapo")
+  assert [r.answer for r in rows] == ["42", "7"] and rows[1].where.endswith("dapo.parquet:2")
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"question": "no answer here"}, "missing field 'answer'"),
+    ({"question": "q", "answer": "no marker"}, "field 'answer' has no '#### <final answer>'"),
+    ({"prompt": "q", "reward_model": {"style": "x"}}, "missing field 'reward_model.ground_truth'"),
+    ({"prompt": [{"text": "q"}], "reward_model": {"ground_truth": "1"}}, "field 'prompt' must be"),
+    ({"title": "neither"}, "missing field 'question' \\(GSM8K\\) or 'prompt' \\(DAPO\\)"),
+    ("{not json", "invalid JSON"),
+])
+def test_a_malformed_row_fails_with_file_and_line(tmp_path, bad, message):
+  good = {"question": "1+1?", "answer": "#### 2"}
+  path = _write_jsonl(tmp_path / "data.jsonl", [good, good, bad])
+  with pytest.raises(ValueError, match=f"data.jsonl:3: {message}"):
+    load_math_dataset(path)
+
+
+def _hf_tokenizer(tmp_path, template):
+  from tokenizers import Tokenizer, models, pre_tokenizers
+
+  words = ["<unk>", "<eos>", "<|user|>", "<|assistant|>", "what", "is", "2+2?", "system:", "hi"]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+  tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tok.save(str(tmp_path / "tokenizer.json"))
+  cfg = {"eos_token": "<eos>"}
+  if template:
+    cfg["chat_template"] = template
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+  return HFTokenizer(str(tmp_path))
+
+
+def test_prompts_use_the_tokenizers_chat_template_when_it_has_one(tmp_path):
+  template = ("{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}"
+              "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+  data = _write_jsonl(tmp_path / "d.jsonl", [{"question": "what is 2+2?", "answer": "#### 4"}] * 3)
+  (tmp_path / "tok").mkdir()
+  tok = _hf_tokenizer(tmp_path / "tok", template)
+  task = MathDatasetTask(TaskConfig(name="gsm8k", path=data, val_size=1), tok)
+  ex = task.example(0)
+  assert ex.prompt == "<|user|> what is 2+2? <|assistant|>"
+  assert tok.decode(task.encode_prompt(ex), skip_control=False) == \
+      "<|user|> what is 2+2? <|assistant|>"
+  assert len(task.rows) == 2 and len(task.validation(5)) == 1
+  # without a template (or with chat_template=False): the documented fallback format
+  plain = MathDatasetTask(TaskConfig(path=data, val_size=1, chat_template=False), tok)
+  assert plain.example(0).prompt == "User: what is 2+2?\n\nAssistant:"
+  assert render_chat([{"role": "user", "content": "x"}], None) == \
+      render_chat([{"role": "user", "content": "x"}], FALLBACK_TEMPLATE)
+
+
+def test_dataset_order_is_a_fresh_permutation_per_epoch_and_deterministic(tmp_path):
+  rows = [{"question": f"q{i}", "answer": f"#### {i}"} for i in range(6)]
+  data = _write_jsonl(tmp_path / "d.jsonl", rows)
+  task = MathDatasetTask(TaskConfig(path=data, val_size=0, chat_template=False), TOK)
+  epoch0 = [task.example(i).answer for i in range(6)]
+  epoch1 = [task.example(i).answer for i in range(6, 12)]
+  assert sorted(epoch0) == sorted(epoch1) == [str(i) for i in range(6)]
+  again = MathDatasetTask(TaskConfig(path=data, val_size=0, chat_template=False), TOK)
+  assert [again.example(i).answer for i in range(12)] == epoch0 + epoch1
+
+
+def test_answer_extraction_prefers_boxed_then_answer_lines_then_the_last_number():
+  assert extract_answer("so \\boxed{\\frac{1}{2}} done") == "\\frac{1}{2}"
+  assert extract_answer("work...\nAnswer: 34.") == "34"
+  assert extract_answer("blah #### 1,000") == "1,000"
+  assert extract_answer("it is 3 then 5") == "5"
+  assert extract_answer("no digits") is None
+  assert exact_answer_reward("The total is \\boxed{1,200}", "1200") == 1.0
+  assert exact_answer_reward("The total is 12.0", "12") == 1.0
+  assert exact_answer_reward("The total is 13", "12") == 0.0
+
+
+def test_math_verify_reward_accepts_equivalent_answers_and_never_raises():
+  assert math_verify_reward("Thus the answer is $\\boxed{\\frac{1}{2}}$.", "0.5") == 1.0
+  assert math_verify_reward("Answer: 72", "72") == 1.0
+  assert math_verify_reward("\\boxed{71}", "72") == 0.0
+  assert math_verify_reward("\\boxed{\\frac{", "72") == 0.0  # malformed LaTeX
+  assert math_verify_reward("", "\\sqrt{2}") == 0.0
+  out = []
+  worker = threading.Thread(target=lambda: out.append(math_verify_reward("\\boxed{72}", "72",
+                                                                         timeout_s=5.0)))
+  worker.start()
+  worker.join()
+  assert out == [1.0]  # off the main thread too (math-verify's own timeout needs the main thread)
+
+
+def test_a_scorer_that_raises_gives_reward_zero_and_an_error_message():
+  def score(text, ex):
+    if text == "boom":
+      raise ZeroDivisionError("bad verifier")
+    return Score(float(text == ex.answer), text == ex.answer)
+
+  ex = Example(prompt="1+1=", answer="2")
+  batch = compute_rewards(score, ["2", "boom", "3"], [ex, ex, ex])
+  np.testing.assert_array_equal(batch.rewards, [1.0, 0.0, 0.0])
+  np.testing.assert_array_equal(batch.correct, [True, False, False])
+  assert len(batch.errors) == 1 and "ZeroDivisionError: bad verifier" in batch.errors[0]
+
+
+def test_the_registry_builds_tasks_by_name_and_rejects_unknown_ones(tmp_path):
+  assert isinstance(make_task(TaskConfig(name="arithmetic"), TOK), ArithmeticTask)
+  with pytest.raises(ValueError, match="TaskConfig.name"):
+    make_task(TaskConfig(name="chess"), TOK)
+  with pytest.raises(ValueError, match="TaskConfig.path"):
+    make_task(TaskConfig(name="gsm8k"), TOK)
+  with pytest.raises(ValueError, match="TaskConfig.operators"):
+    TaskConfig(operators="/")
+  try:
+    import reasoning_gym  # noqa: F401
+  except ImportError:
+    with pytest.raises(ImportError, match="pip install reasoning-gym"):
+      make_task(TaskConfig(name="reasoning_gym", dataset="chain_sum"), TOK)
