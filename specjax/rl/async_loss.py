@@ -16,10 +16,6 @@ from flax import nnx, struct
 from specjax.rl.grpo import aggregate, denominators, grpo_loss, k3_kl
 from specjax.rl.train_step import Trainer, TrainBatch, sequence_logprobs
 
-_JITTED = ("_step_fn", "_grads_fn", "_logprobs_fn")  # Trainer's jitted entry points
-_COMPILED: dict = {}
-_MAX_COMPILED = 8
-
 
 @struct.dataclass
 class WeightedTrainBatch(TrainBatch):
@@ -60,23 +56,7 @@ def weighted_pg_loss(logprobs, old_logprobs, advantages, mask, is_weights, grpo_
 @dataclasses.dataclass(frozen=True, eq=False)
 class ISTrainer(Trainer):
   """`Trainer` whose step also takes a `WeightedTrainBatch`; a plain `TrainBatch` runs the
-  parent's loss unchanged (bit for bit the synchronous step).
-
-  Trainers with equal static parts (class, config, graphdefs, mesh) share their jitted functions,
-  so a second run of the same config (another policy lag, a benchmark arm) does not recompile."""
-
-  def __post_init__(self):
-    super().__post_init__()
-    try:
-      key = (type(self), self.cfg, self.policy_graphdef, self.draft_graphdef, self.mesh)
-      first = _COMPILED.setdefault(key, self)
-    except TypeError:  # an unhashable static part: no sharing
-      return
-    if len(_COMPILED) > _MAX_COMPILED:
-      _COMPILED.pop(next(iter(_COMPILED)))
-    for name in _JITTED:
-      if first is not self and hasattr(first, name):
-        object.__setattr__(self, name, getattr(first, name))
+  parent's loss unchanged (bit for bit the synchronous step)."""
 
   def _loss(self, params, batch: TrainBatch, draft_aux, draft_weight, denom):
     if not isinstance(batch, WeightedTrainBatch):

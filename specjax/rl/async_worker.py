@@ -119,7 +119,7 @@ class RolloutWorker:
     with self._cond:
       self._cond.notify_all()
     deadline = time.monotonic() + timeout
-    while True:
+    while self._thread.ident is not None:  # started
       self._drain()
       self._thread.join(timeout=min(_POLL_S, max(deadline - time.monotonic(), 0.0)))
       if not self._thread.is_alive() or time.monotonic() >= deadline:
