@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from specjax.models import ModelConfig
 from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
                                RolloutConfig, TaskConfig, ValidationConfig)
 from specjax.rl.experiment import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
-                                   parse_config, run_experiment)
+                                   biased_answer, parse_config, run_experiment)
 from specjax.rl.tasks import Example, Score, register_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
@@ -48,12 +50,20 @@ class ScratchpadArithmeticTask(ArithmeticTask):
 register_task("arithmetic-think", lambda cfg, tok: ScratchpadArithmeticTask(cfg, tok))
 
 
-def answer_examples(task, n: int, seed: int) -> list[tuple[str, str]]:
-  return [(e.prompt, e.answer) for e in task.examples(50_000_000 + 100_000 * seed, n)]
+def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:
+  rng = np.random.default_rng(seed)
+  return [(e.prompt, biased_answer(e, rng, bias))
+          for e in task.examples(50_000_000 + 100_000 * seed, n)]
 
 
-def scratchpad_examples(task, n: int, seed: int) -> list[tuple[str, str]]:
-  return [(e.prompt, task.scratchpad(e)) for e in task.examples(60_000_000 + 100_000 * seed, n)]
+def scratchpad_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:
+  """Scratchpad text; with probability `bias` the final answer carries the base model's mistake."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for e in task.examples(60_000_000 + 100_000 * seed, n):
+    pad = task.scratchpad(e)
+    out.append((e.prompt, pad.rsplit("#", 1)[0] + "#" + biased_answer(e, rng, bias)))
+  return out
 
 
 DEFAULTS = ExperimentConfig(

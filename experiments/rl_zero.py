@@ -10,34 +10,38 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from specjax.models import ModelConfig
 from specjax.rl.config import (DraftConfig, GRPOConfig, OptimConfig, RLConfig, RolloutConfig,
                                TaskConfig, ValidationConfig, CheckpointConfig)
 from specjax.rl.experiment import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
-                                   parse_config, run_experiment)
+                                   biased_answer, parse_config, run_experiment)
 
 
-def answer_examples(task, n: int, seed: int) -> list[tuple[str, str]]:
-  """Base-model text: the task's own prompts with their answers (a stream the RL run never uses)."""
-  return [(e.prompt, e.answer) for e in task.examples(50_000_000 + 100_000 * seed, n)]
+def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:
+  """Base-model text: the task's prompts (a stream RL never uses) with mostly biased answers."""
+  rng = np.random.default_rng(seed)
+  return [(e.prompt, biased_answer(e, rng, bias))
+          for e in task.examples(50_000_000 + 100_000 * seed, n)]
 
 
 DEFAULTS = ExperimentConfig(
     name="rl_zero",
-    base=BaseModelConfig(steps=150, examples=4000, batch_size=64, lr=3e-3),
+    base=BaseModelConfig(steps=300, examples=4000, batch_size=64, lr=3e-3, bias=0.7),
     draft_init=DraftInitConfig(steps=200, prompts=256, batch_size=32),
     rl=RLConfig(
         model=ModelConfig(vocab_size=64, hidden_size=64, num_layers=4, num_heads=4,
                           num_kv_heads=2, head_dim=16, mlp_hidden=128, tie_embeddings=True),
-        task=TaskConfig(name="arithmetic", digits=2, operands=2, operators="+"),
+        task=TaskConfig(name="arithmetic", digits=1, operands=2, operators="+*"),
         grpo=GRPOConfig(group_size=8),
-        policy_optim=OptimConfig(lr=1e-3, warmup_steps=2, clip_norm=1.0),
+        policy_optim=OptimConfig(lr=3e-4, warmup_steps=2, clip_norm=1.0),
         draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
         draft=DraftConfig(kind="eagle3", draft_len=3, online=True, loss_weight=1.0),
         rollout=RolloutConfig(temperature=1.0, max_new_tokens=8),
         validation=ValidationConfig(every=10, num_prompts=128, batch_size=128),
         checkpoint=CheckpointConfig(every=20),
-        steps=40, prompts_per_step=8, seed=0, progress=True),
+        steps=60, prompts_per_step=16, seed=0, progress=True),
 )
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from specjax.rl.async_config import AsyncConfig
 from specjax.rl.config import RLConfig, _merge, from_dict
 
-Examples = Callable[[Any, int, int], list]  # (task, n, seed) -> [(prompt, completion)]
+Examples = Callable[[Any, int, int, float], list]  # (task, n, seed, bias) -> [(prompt, completion)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +34,9 @@ class BaseModelConfig:
   batch_size: int = 64
   lr: float = 3e-3
   finetune_steps: int = 0  # rl_think: extra SFT steps on scratchpad text on top of the base
+  # Fraction of training answers replaced by a systematic mistake (off by one): the base policy
+  # then prefers a wrong answer but keeps the right one in its distribution, which RL can find.
+  bias: float = 0.0
 
   def __post_init__(self):
     for name in ("steps", "examples", "batch_size"):
@@ -41,6 +44,8 @@ class BaseModelConfig:
         raise ValueError(f"BaseModelConfig.{name}: must be >= 1, got {getattr(self, name)}")
     if self.lr <= 0:
       raise ValueError(f"BaseModelConfig.lr: must be > 0, got {self.lr}")
+    if not 0 <= self.bias < 1:
+      raise ValueError(f"BaseModelConfig.bias: must be in [0, 1), got {self.bias}")
     if self.finetune_steps < 0:
       raise ValueError(f"BaseModelConfig.finetune_steps: must be >= 0, got {self.finetune_steps}")
 
@@ -110,6 +115,7 @@ def parse_config(defaults: ExperimentConfig, argv: Sequence[str] | None = None) 
     cfg = from_dict(ExperimentConfig,
                     _merge(dataclasses.asdict(cfg), data, f"{yaml_path}: ExperimentConfig"))
   return tyro.cli(ExperimentConfig, default=cfg, args=argv,
+                  config=(tyro.conf.AvoidSubcommands, tyro.conf.FlagConversionOff),
                   description="AR vs speculative GRPO on one task (see README).")
 
 
@@ -134,6 +140,11 @@ def general_prompts(tokenizer, n: int, seed: int) -> list[list[int]]:
   rng = np.random.default_rng(seed)
   words = ["the", "cat", "sat", "on", "a", "mat", "and", "then", "ran", "far", "away", "home"]
   return [tokenizer.encode(" ".join(rng.choice(words, size=4)) + " ", bos=True) for _ in range(n)]
+
+
+def biased_answer(example, rng: np.random.Generator, bias: float) -> str:
+  """The example's answer, or with probability `bias` the systematic mistake answer + 1."""
+  return str(int(example.answer) + 1) if rng.random() < bias else example.answer
 
 
 def build_tokenizer(cfg: ExperimentConfig):
@@ -190,11 +201,11 @@ def build_base_policy(cfg: ExperimentConfig, tokenizer, task, base_examples: Exa
   t0 = time.perf_counter()
   log(f"[base] pretraining a {model_cfg.num_params() / 1e6:.2f}M-parameter decoder on the task's "
       f"text ({cfg.base.steps} steps)")
-  model, _ = _pretrain(model_cfg, base_examples(task, cfg.base.examples, cfg.rl.seed), tokenizer,
+  model, _ = _pretrain(model_cfg, base_examples(task, cfg.base.examples, cfg.rl.seed, cfg.base.bias), tokenizer,
                        cfg.base, cfg.base.steps, cfg.rl.seed)
   if finetune_examples is not None and cfg.base.finetune_steps:
     log(f"[base] fine-tuning on scratchpad text ({cfg.base.finetune_steps} steps)")
-    model, _ = _pretrain(model_cfg, finetune_examples(task, cfg.base.examples, cfg.rl.seed + 1),
+    model, _ = _pretrain(model_cfg, finetune_examples(task, cfg.base.examples, cfg.rl.seed + 1, cfg.base.bias),
                          tokenizer, cfg.base, cfg.base.finetune_steps, cfg.rl.seed + 1, start=model)
   _atomic_dir(path, lambda tmp: save_pretrained(model, tmp))
   log(f"[base] done in {time.perf_counter() - t0:.1f} s, cached at {path}")
