@@ -35,6 +35,8 @@ class ChainDrafter(Drafter):
   first num_new[b] become committed and the last of them gives the first draft. propose: draft 1
   from that pair; draft k + 1 from (the module's own output state, draft k) at position
   lengths[b] + k - 1, written beyond the committed length (invisible later, then overwritten).
+  Proposals: sampled from softmax(logits / temperature) with those probabilities returned over the
+  full vocabulary (0 outside a reduced draft vocabulary); temperature 0: argmax, probs None.
   """
 
   graphdef: Any = None  # nnx.GraphDef of the module the params merge into

@@ -79,7 +79,8 @@ def pretrain_toy_target(cfg: ModelConfig | None = None, *, steps: int = 400, num
                                                                   seed + 1)
   tokens, mask = encode_texts(tok, pairs, width)
   model = Decoder(cfg, rngs=nnx.Rngs(seed))
-  model, _ = train_lm(model, tokens, mask, LmTrainConfig(steps=steps, seed=seed),
+  lm_cfg = LmTrainConfig(steps=steps, warmup_steps=min(20, steps // 10), seed=seed)
+  model, _ = train_lm(model, tokens, mask, lm_cfg,
                       progress=progress)
   return model
 
