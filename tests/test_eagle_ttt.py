@@ -2,7 +2,6 @@
 the head on a tiny target's rollouts, and the orbax checkpoint of the head."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
