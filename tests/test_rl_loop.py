@@ -67,11 +67,12 @@ def test_speculative_rollouts_with_an_online_eagle_draft_complete_and_log_accept
     base_model, tmp_path):
   from specjax.eagle.head import init_head
 
+  # sampled validation on 64 prompts reuses the rollouts' compiled speculative sampler
   cfg = CFG.replace(steps=3, draft=DraftConfig(kind="eagle3", draft_len=2, online=True,
                                                ttt_steps=2),
-                    draft_optim=OptimConfig(lr=1e-3), validation=ValidationConfig(every=3,
-                                                                                 num_prompts=16,
-                                                                                 batch_size=16))
+                    draft_optim=OptimConfig(lr=1e-3),
+                    validation=ValidationConfig(every=3, num_prompts=64, batch_size=64,
+                                                greedy=False))
   head = init_head(MODEL, seed=0)
   head_init = [np.asarray(x) for x in jax.tree.leaves(nnx.state(head))]
   summary = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path), draft=head, verbose=False)
@@ -126,6 +127,20 @@ def test_a_reward_function_that_raises_scores_zero_is_logged_and_the_loop_goes_o
   events = read_metrics(summary["metrics_path"], events=True)
   assert events and all(e["event"] == "reward_error" for e in events)
   assert "verifier exploded" in events[0]["message"]
+
+
+def test_colocated_prepare_hands_the_sampler_the_very_same_arrays_unless_it_must_cast(base_model):
+  from specjax.rl.loop import setup_run
+
+  run, state = setup_run(CFG, base_model, TOK)
+  fwd = run.trainer.forward_params(state.params)
+  gen, _ = run.engine.prepare(state.params, fwd)
+  assert all(a is b for a, b in zip(jax.tree.leaves(gen), jax.tree.leaves(fwd)))
+  run16, state16 = setup_run(CFG.replace(rollout=dataclasses.replace(CFG.rollout,
+                                                                      gen_dtype="bfloat16")),
+                             base_model, TOK)
+  gen16, _ = run16.engine.prepare(state16.params, run16.trainer.forward_params(state16.params))
+  assert {x.dtype for x in jax.tree.leaves(gen16)} == {np.dtype("bfloat16")}
 
 
 def test_invalid_config_values_fail_with_the_field_named(tmp_path):

@@ -116,3 +116,23 @@ def test_train_step_on_a_2x2x2_mesh_matches_the_single_device_step(setup):
   np.testing.assert_allclose(m["pg_loss"], ref_m["pg_loss"], atol=1e-5)
   np.testing.assert_allclose(sharded.logprobs(setup["pp"], batch.tokens),
                              single.logprobs(setup["pp"], batch.tokens), atol=1e-5)
+
+
+def test_online_mtp_trains_only_the_mtp_module_and_leaves_the_policy_gradient_exact(setup):
+  from specjax.rl.train_step import split_mtp
+
+  model = Decoder(MODEL.replace(mtp=True, num_layers=1), rngs=nnx.Rngs(2))
+  graphdef, full = nnx.split(model)
+  trunk, mtp = split_mtp(full)
+  assert "mtp" in mtp and "mtp" not in trunk
+  cfg = CFG.replace(draft=DraftConfig(kind="mtp", online=True))
+  trainer = Trainer(cfg, graphdef)
+  state = trainer.init_state(trunk, mtp)
+  batch = setup["batch"]
+  g0, _ = trainer.grads(state, batch, 0.0)
+  g1, m1 = trainer.grads(state, batch, 1.0)
+  for a, b in zip(_leaves(g0["policy"]), _leaves(g1["policy"])):
+    np.testing.assert_array_equal(a, b)  # the embedding / LM head shared with MTP included
+  assert any(np.any(x != 0) for x in _leaves(g1["draft"]))
+  assert all(np.all(x == 0) for x in _leaves(g0["draft"]))
+  assert np.isfinite(float(m1["draft/loss"]))

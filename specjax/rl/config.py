@@ -193,7 +193,7 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  model: ModelConfig = ModelConfig()
+  model: ModelConfig = ModelConfig()  # for drivers that build the policy; run_rl uses the policy's
   grpo: GRPOConfig = GRPOConfig()
   policy_optim: OptimConfig = OptimConfig()
   draft_optim: OptimConfig = OptimConfig(lr=1e-4)

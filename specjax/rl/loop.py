@@ -140,6 +140,8 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
       "response/length_mean": float(comp_len.mean()), "response/length_max": int(comp_len.max()),
       "response/truncated": float(1.0 - np.asarray(jax.device_get(rollout.eos)).mean()),
       "data/position": data_position + n_prompts, "data/prompts_cut": cut,
+      "gen/tokens": int(comp_len.sum()),
+      "gen/forward_steps": int(rollout.num_steps) if rollout.num_steps is not None else -1,
       **{k: float(v) for k, v in jax.device_get(mismatch).items()},
       **{k: float(v) for k, v in jax.device_get(train_metrics).items()},
       **acceptance_summary(rollout),
@@ -219,6 +221,7 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
                                        data_position, timer)
       completed, data_position = step + 1, data_position + cfg.prompts_per_step
       metrics.update(timer.end_step())
+      metrics["gen/tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
       for msg in errors[:MAX_ERRORS_LOGGED]:
         logger.log_event(completed, "reward_error", message=msg)
       if errors:

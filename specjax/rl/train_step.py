@@ -172,9 +172,10 @@ class Trainer:
     return self.place(state)
 
   def place(self, state: TrainState) -> TrainState:
-    """Put a state on this trainer's mesh (no-op without one)."""
+    """Put a state on this trainer's mesh, or commit it to the default device: a fresh and a
+    restored state (orbax returns committed arrays) then hit the same compiled programs."""
     if self.mesh is None:
-      return state
+      return jax.device_put(state, jax.devices()[0])
     return jax.device_put(state, train_state_shardings(state, self.mesh))
 
   def place_batch(self, batch: TrainBatch) -> TrainBatch:
