@@ -124,6 +124,9 @@ def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Arr
         "response/length_max": int(comp_len.max()),
         "response/truncated": float(1.0 - np.asarray(jax.device_get(rollout.eos)).mean()),
         "data/position": position + n, "data/prompts_cut": cut,
+        "gen/tokens": int(comp_len.sum()),
+        "gen/forward_steps": int(rollout.num_steps) if rollout.num_steps is not None else -1,
+        "gen/tokens_per_s": float(comp_len.sum()) / max(clock.times["gen"], 1e-9),
         **acceptance_summary(rollout)}
     clock.lap("reward")
     return ScoredRollout(tokens, mask, sampler_lp, rewards, metrics, clock.times)
