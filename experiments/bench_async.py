@@ -3,12 +3,14 @@
   python experiments/bench_async.py --steps 12 --skip 2 --lags 1 --out runs/bench_async.json
 
 The setup of experiments/<--experiment>.py (embedded arithmetic task, its tiny base policy and
-offline EAGLE-3 head, both cached under --cache-dir) runs four ways: synchronous colocated on all
-devices (`run_rl` with the mesh) and asynchronous on split device groups (`run_rl_async`), each
-with AR and with EAGLE-3 rollouts. Exposed generation is what the trainer waits for: sync = data + prepare + gen + reward
-(the whole rollout side is on the critical path), async = time/exposed_generation. Step time is
-time/step (async: the trainer's wall clock per step, i.e. the effective step time). Means over
-steps after the first --skip (compilation). Prints a table and writes JSON; asserts nothing.
+offline EAGLE-3 head, both cached under --cache-dir) runs in several loop arms, each with AR and
+with EAGLE-3 rollouts: synchronous colocated `run_rl` on one device or on the mesh over all
+devices (--sync-devices), and `run_rl_async` on the first N devices split into a generation and
+a training group (--async-devices, --gen-fraction, --lags). Exposed generation is what the
+trainer waits for: sync = data + prepare + gen + reward (the whole rollout side is on the
+critical path), async = time/exposed_generation. Step time is time/step (async: the trainer's
+wall clock per step, the effective step time). Means over steps after the first --skip
+(compilation). Prints a table and writes JSON; asserts nothing.
 """
 
 from __future__ import annotations
@@ -87,7 +89,7 @@ def main(argv=None) -> dict:
   import importlib
   from specjax.rl.async_config import AsyncConfig
   from specjax.rl.async_loop import run_rl_async
-  from specjax.rl.config import CheckpointConfig, RolloutConfig, ValidationConfig
+  from specjax.rl.config import CheckpointConfig, ValidationConfig
   from specjax.rl.experiment import (build_base_policy, build_draft_head, build_task,
                                      build_tokenizer, run_modes)
   from specjax.rl.logging import read_metrics

@@ -1,7 +1,6 @@
 """Asynchronous RL: the rollout worker (lag bound, accounting, errors, shutdown), the weight push to
 the generation mesh, truncated importance sampling, and end-to-end runs on 8 fake CPU devices."""
 
-import dataclasses
 import threading
 import time
 
@@ -209,7 +208,8 @@ def test_weight_push_puts_exactly_the_trainers_policy_and_draft_head_on_the_gene
   gen_devices, train_devices = set(gen_mesh.devices.flat), set(run.mesh.devices.flat)
   assert gen_devices.isdisjoint(train_devices) and len(gen_devices | train_devices) == 8
   pairs = [(gen_policy, run.trainer.forward_params(state.params)),
-           (gen_draft.head, state.params["draft"]), (gen_draft.embed, state.params["policy"]["embed"][...])]
+           (gen_draft.head, state.params["draft"]),
+           (gen_draft.embed, state.params["policy"]["embed"][...])]
   for gen, train in pairs:
     gen_leaves, train_leaves = jax.tree.leaves(gen), jax.tree.leaves(train)
     assert len(gen_leaves) == len(train_leaves) > 0

@@ -1,10 +1,5 @@
 """The asynchronous RL loop: a rollout worker generates on the generation mesh while the trainer
-trains on the training mesh; weights are pushed after every step, within a bounded policy lag.
-
-Entry point `run_rl_async(cfg, async_cfg, policy, tokenizer, task, ...)` -> the summary of `run_rl`
-plus exposed generation, weight sync and version-gap statistics. Per step the trainer waits for a
-batch (exposed_generation), recomputes logprobs (logprob), trains (train), pushes (weight_sync).
-"""
+trains on the training mesh and pushes new weights after every step, within a bounded policy lag."""
 
 from __future__ import annotations
 
@@ -220,8 +215,12 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
                  hooks: Sequence[Hook] = (), validation_hooks: Sequence[Hook] = (),
                  verbose: bool = True, devices: Sequence[Any] | None = None) -> dict[str, Any]:
   """`run_rl` with generation and training on disjoint device groups (`devices`, default all,
-  split by async_cfg.gen_fraction); same arguments, checkpoints and metrics, plus per step
-  time/exposed_generation, time/weight_sync, async/version_gap and the worker's phase times."""
+  split by async_cfg.gen_fraction); same arguments, checkpoints and metrics. Per step the trainer
+  waits for its batch (time/exposed_generation), recomputes logprobs (time/logprob), trains
+  (time/train) and pushes the new version (time/weight_sync); time/step is the effective step
+  time; time/data, time/gen, time/reward are the worker's, off the critical path; async/* holds the
+  batch index, its params version and the version gap. The summary adds the means of these, the
+  version-gap counts and the batch accounting (produced, consumed, discarded)."""
   os.makedirs(out_dir, exist_ok=True)
   run, state, engine, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
                                              draft_maps=draft_maps, devices=devices)

@@ -1,9 +1,5 @@
-"""Truncated importance sampling (TIS) for off-policy batches of async RL: the train step of
-`Trainer` with each token's policy-gradient term weighted by min(pi_old / pi_sampler, cap).
-
-pi_old is the trainer's policy when the batch is trained (the PPO ratio's anchor), pi_sampler the
-possibly older policy that generated it; the weight is a constant (no gradient flows through it).
-"""
+"""Truncated importance sampling for the off-policy batches of async RL: the `Trainer` step with
+each token's policy-gradient term weighted by min(pi_old / pi_sampler, cap), a constant."""
 
 from __future__ import annotations
 
@@ -56,7 +52,10 @@ def weighted_pg_loss(logprobs, old_logprobs, advantages, mask, is_weights, grpo_
 @dataclasses.dataclass(frozen=True, eq=False)
 class ISTrainer(Trainer):
   """`Trainer` whose step also takes a `WeightedTrainBatch`; a plain `TrainBatch` runs the
-  parent's loss unchanged (bit for bit the synchronous step)."""
+  parent's loss unchanged (bit for bit the synchronous step).
+
+  pi_old is the trainer's policy when the batch is trained (the anchor of the PPO ratio), pi_sampler
+  the possibly older policy that generated the batch (its logprobs as the sampler reported them)."""
 
   def _loss(self, params, batch: TrainBatch, draft_aux, draft_weight, denom):
     if not isinstance(batch, WeightedTrainBatch):

@@ -1,9 +1,5 @@
-"""The rollout worker of asynchronous RL: a daemon thread that turns published policy versions into
-batches for the trainer, through a bounded queue, never from params older than the lag allows.
-
-The worker knows nothing of models: `produce(index, version, params)` does the generation (jitted
-code on the generation mesh; JAX releases the GIL while devices compute, so the trainer runs on).
-"""
+"""The rollout worker of async RL: a daemon thread that turns published policy versions into
+batches for the trainer through a bounded queue, never from params older than the lag allows."""
 
 from __future__ import annotations
 
@@ -39,8 +35,10 @@ class RolloutWorker:
   """Produces batches `first_index .. first_index + num_batches - 1`, batch i from the newest
   published params whose version is >= i - policy_lag (waiting for a push when none is).
 
-  Use as a context manager (or call `close`): `publish` after every optimizer step, `get` per step.
-  An exception in the worker is raised by `get` in the trainer's thread as `RolloutWorkerError`.
+  `produce(index, version, params)` does the work, e.g. jitted generation on the generation mesh
+  (JAX releases the GIL while devices compute, so the trainer's thread runs on meanwhile). Use as a
+  context manager (or call `close`): `publish` after every optimizer step, `get` per step. An
+  exception in the worker is raised by `get` in the trainer's thread as `RolloutWorkerError`.
   """
 
   def __init__(self, produce: Produce, *, first_index: int, num_batches: int, policy_lag: int,
