@@ -16,7 +16,6 @@ from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimC
 from specjax.rl.logging import MetricsLogger, append_jsonl, read_metrics
 from specjax.rl.loop import run_rl
 from specjax.rl.pretrain import pretrain_lm
-from specjax.rl.tasks import Score
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
 TOK = CharTokenizer()
@@ -43,7 +42,7 @@ def base_model():
 
 
 def _strip_times(records):
-  return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
+  return [{k: v for k, v in r.items() if not k.startswith(("time/", "perf/"))} for r in records]
 
 
 def test_grpo_raises_the_arithmetic_reward_within_thirty_steps(base_model, tmp_path):
@@ -154,6 +153,9 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
     DraftConfig(kind="ngram", online=True)
   with pytest.raises(ValueError, match="RLConfig.micro_batches"):
     RLConfig(prompts_per_step=3, grpo=GRPOConfig(group_size=2), micro_batches=4)
+  with pytest.raises(ValueError, match="RLConfig.minibatches"):
+    RLConfig(minibatches=0)
+  assert RLConfig(steps=10, minibatches=4).optimizer_steps == 40
   with pytest.raises(ValueError, match="RolloutConfig.top_p"):
     RolloutConfig(top_p=0.0)
   bad = tmp_path / "bad.yaml"

@@ -1,7 +1,6 @@
 """The RL train step: gradient detachment of the online draft, separate optimizer groups,
 gradient accumulation and the (2, 2, 2) mesh."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -94,12 +93,20 @@ def test_policy_and_draft_groups_follow_their_own_schedules(setup):
 def test_gradient_accumulation_over_micro_batches_matches_the_full_batch(setup):
   state, batch = setup["state"], setup["batch"]
   g_full, m_full = setup["trainer"].grads(state, batch, 1.0)
-  acc = Trainer(CFG.replace(micro_batches=4), setup["pg"], setup["hg"])
+  acc = Trainer(CFG.replace(micro_batches=2, minibatches=2), setup["pg"], setup["hg"])
   g_acc, m_acc = acc.grads(state, batch, 1.0)
   for a, b in zip(_leaves(g_full["policy"]), _leaves(g_acc["policy"])):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
   for k in ("pg_loss", "clip_frac", "entropy", "kl"):
     np.testing.assert_allclose(m_full[k], m_acc[k], rtol=1e-5)
+  # minibatches: consecutive optimizer steps on slices, all against the batch's old logprobs
+  after, _ = acc.train_on_batch(state, batch)
+  by_hand = state
+  for half in (slice(0, 4), slice(4, 8)):
+    by_hand, _ = acc.step(by_hand, jax.tree.map(lambda x: x[half], batch))
+  assert int(after.step) == 2
+  for a, b in zip(_leaves(after.params), _leaves(by_hand.params)):
+    np.testing.assert_array_equal(a, b)
 
 
 def test_train_step_on_a_2x2x2_mesh_matches_the_single_device_step(setup):

@@ -116,7 +116,9 @@ class RolloutConfig:
   top_k: int = 0  # 0 disables
   top_p: float = 1.0
   max_new_tokens: int = 64
-  max_prompt_len: int = 0  # prompts are padded to this; 0 -> longest prompt of the task
+  # prompts are padded (or left-cut) to this width; 0 -> the task's max_prompt_len if it has one,
+  # else each batch's longest prompt rounded up to 32 (set it for datasets: fewer compilations)
+  max_prompt_len: int = 0
   gen_dtype: str = ""  # "" -> the policy's own dtype (colocated: the very same arrays)
   train_temperature: bool = True  # trainer logprobs use logits / temperature, like the sampler
 
@@ -206,7 +208,8 @@ class RLConfig:
   use_mesh: bool = False  # shard params / optimizer / batch over `mesh`
   steps: int = 100
   prompts_per_step: int = 8
-  micro_batches: int = 1  # gradient accumulation inside the train step
+  minibatches: int = 1  # optimizer steps per rollout batch (PPO-style; > 1 makes clipping bite)
+  micro_batches: int = 1  # gradient accumulation inside each optimizer step
   seed: int = 0
   log_dir: str = ""  # "" -> <out_dir>
   progress: bool = True
@@ -217,14 +220,20 @@ class RLConfig:
     _check(self.steps >= 0, f"{w}.steps", f"must be >= 0, got {self.steps}")
     _check(self.prompts_per_step >= 1, f"{w}.prompts_per_step",
            f"must be >= 1, got {self.prompts_per_step}")
+    _check(self.minibatches >= 1, f"{w}.minibatches", f"must be >= 1, got {self.minibatches}")
     _check(self.micro_batches >= 1, f"{w}.micro_batches", f"must be >= 1, got {self.micro_batches}")
-    _check(self.rollout_batch % self.micro_batches == 0, f"{w}.micro_batches",
-           f"must divide prompts_per_step * group_size = {self.rollout_batch}, "
-           f"got {self.micro_batches}")
+    _check(self.rollout_batch % (self.minibatches * self.micro_batches) == 0, f"{w}.micro_batches",
+           f"minibatches * micro_batches must divide prompts_per_step * group_size = "
+           f"{self.rollout_batch}, got {self.minibatches} * {self.micro_batches}")
 
   @property
   def rollout_batch(self) -> int:
     return self.prompts_per_step * self.grpo.group_size
+
+  @property
+  def optimizer_steps(self) -> int:
+    """Optimizer steps of the whole run (the span of the learning-rate schedules)."""
+    return self.steps * self.minibatches
 
   def replace(self, **kw) -> "RLConfig":
     return dataclasses.replace(self, **kw)

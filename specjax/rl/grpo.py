@@ -1,8 +1,8 @@
 """GRPO: group advantages (GRPO, Dr.GRPO, leave-one-out) and the clipped policy-gradient loss.
 
-Token arrays are [B, T] over *target* positions (token t+1 predicted at t); `mask` is 1 on the
-completion tokens the loss covers. The loss takes explicit denominators so that gradient
-accumulation over micro-batches sums to exactly the full-batch loss.
+Token arrays are [B, T], one entry per token (the train step aligns them with the sequence);
+`mask` is 1 on the completion tokens the loss covers. Explicit denominators make the losses of
+micro-batches sum to exactly the full-batch loss (gradient accumulation).
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
                        ref_logprobs=ref)
     p.sync((batch, mismatch))
   with timer.phase("train") as p:
-    state, train_metrics = run.trainer.step(state, batch)
+    state, train_metrics = run.trainer.train_on_batch(state, batch)
     p.sync((state, train_metrics))
   r = rewards.rewards.reshape(-1, g)
   comp_len = np.asarray(jax.device_get(rollout.lengths))
@@ -221,7 +221,7 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
                                        data_position, timer)
       completed, data_position = step + 1, data_position + cfg.prompts_per_step
       metrics.update(timer.end_step())
-      metrics["gen/tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
+      metrics["perf/gen_tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
       for msg in errors[:MAX_ERRORS_LOGGED]:
         logger.log_event(completed, "reward_error", message=msg)
       if errors:

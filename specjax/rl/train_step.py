@@ -71,8 +71,8 @@ def _labels(params: dict) -> dict:
 def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
   """One multi_transform: "policy" and "draft" leaves each get their own clip + AdamW."""
   return optax.multi_transform(
-      {"policy": make_transform(cfg.policy_optim, cfg.steps),
-       "draft": make_transform(cfg.draft_optim, cfg.steps)}, _labels)
+      {"policy": make_transform(cfg.policy_optim, cfg.optimizer_steps),
+       "draft": make_transform(cfg.draft_optim, cfg.optimizer_steps)}, _labels)
 
 
 def _masked(tree: dict, keep: str) -> dict:
@@ -133,9 +133,9 @@ class Trainer:
 
   def _key(self) -> tuple:
     c = self.cfg
-    return (type(self), c.model, c.grpo, c.policy_optim, c.draft_optim, c.draft, c.rollout.temperature,
-            c.rollout.train_temperature, c.micro_batches, c.steps, self.policy_graphdef,
-            self.draft_graphdef, self.mesh)
+    return (type(self), c.model, c.grpo, c.policy_optim, c.draft_optim, c.draft,
+            c.rollout.temperature, c.rollout.train_temperature, c.micro_batches,
+            c.optimizer_steps, self.policy_graphdef, self.draft_graphdef, self.mesh)
 
   def __hash__(self) -> int:
     return hash(self._key())
@@ -149,8 +149,8 @@ class Trainer:
 
   @property
   def schedules(self) -> dict[str, optax.Schedule]:
-    return {"policy": make_schedule(self.cfg.policy_optim, self.cfg.steps),
-            "draft": make_schedule(self.cfg.draft_optim, self.cfg.steps)}
+    return {"policy": make_schedule(self.cfg.policy_optim, self.cfg.optimizer_steps),
+            "draft": make_schedule(self.cfg.draft_optim, self.cfg.optimizer_steps)}
 
   @property
   def is_mtp(self) -> bool:
@@ -273,6 +273,19 @@ class Trainer:
     """One optimizer step; `draft_weight` (lambda) defaults to cfg.draft.loss_weight."""
     w = self.cfg.draft.loss_weight if draft_weight is None else draft_weight
     return _step_jit(self, state, self.place_batch(batch), jnp.float32(w))
+
+  def train_on_batch(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
+    """cfg.minibatches optimizer steps on consecutive slices of a rollout batch, all against
+    the same old logprobs (later slices see ratios != 1, so clipping matters); mean metrics."""
+    n = self.cfg.minibatches
+    if n == 1:
+      return self.step(state, batch)
+    rows = batch.tokens.shape[0] // n
+    history = []
+    for i in range(n):
+      state, m = self.step(state, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch))
+      history.append(m)
+    return state, jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
 
   def grads(self, state: TrainState, batch: TrainBatch, draft_weight: float | None = None):
     w = self.cfg.draft.loss_weight if draft_weight is None else draft_weight
