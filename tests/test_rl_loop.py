@@ -52,10 +52,10 @@ def test_grpo_raises_the_arithmetic_reward_within_thirty_steps(base_model, tmp_p
   records = read_metrics(summary["metrics_path"])
   assert [r["step"] for r in records] == list(range(1, 31))
   reward = np.array([r["reward/mean"] for r in records])
-  # 64 samples per step, fixed seeds: a loss with zero or wrong-signed gradient stays near the
-  # first steps' mean (~0.36; a 10-step mean has sd ~0.03), the real one ends near 0.56
+  # 64 samples per step, fixed seeds. Measured: last-10 minus first-10 mean reward +0.20 (0.36 ->
+  # 0.56), greedy validation accuracy 0.96; with lr = 0 (no learning) -0.01 and 0.65.
   assert reward[-10:].mean() - reward[:10].mean() > 0.12, reward
-  assert records[-1]["val/accuracy"] > 0.8  # greedy answers stay right while sampling sharpens
+  assert records[-1]["val/accuracy"] > 0.85
   assert max(r["mismatch/max_abs"] for r in records) < 1e-4  # sampler and trainer agree
   assert set(summary["phases"]["phases"]) == {"data", "prepare", "gen", "reward", "logprob",
                                               "train"}

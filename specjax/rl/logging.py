@@ -92,24 +92,28 @@ class MetricsLogger:
   """JSONL + TensorBoard + progress bar for one run (appends when resuming)."""
 
   def __init__(self, log_dir: str, *, total_steps: int, initial_step: int = 0,
-               tensorboard: bool = True, progress: bool = True):
-    os.makedirs(log_dir, exist_ok=True)
+               tensorboard: bool = True, progress: bool = True, enabled: bool = True):
+    self.enabled = enabled  # multi-host: only process 0 writes
+    self.tb = self.bar = None
     self.path = os.path.join(log_dir, METRICS_FILE)
+    if not enabled:
+      return
+    os.makedirs(log_dir, exist_ok=True)
     removed = _trim_torn_tail(self.path)
     if removed:
       warnings.warn(f"MetricsLogger: trimmed a torn final line ({removed} bytes) of {self.path}")
-    self.tb = None
     if tensorboard:
       from tensorboardX import SummaryWriter
 
       self.tb = SummaryWriter(os.path.join(log_dir, "tb"))
-    self.bar = None
     if progress:
       from tqdm.auto import tqdm
 
       self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", dynamic_ncols=True)
 
   def log(self, step: int, metrics: dict) -> None:
+    if not self.enabled:
+      return
     record = {"step": int(step), **_plain(metrics)}
     append_jsonl(self.path, record)
     if self.tb is not None:
@@ -128,7 +132,8 @@ class MetricsLogger:
 
   def log_event(self, step: int, kind: str, **fields) -> None:
     """A non-metric record (e.g. a reward-function error) in the same JSONL."""
-    append_jsonl(self.path, {"step": int(step), "event": kind, **_plain(fields)})
+    if self.enabled:
+      append_jsonl(self.path, {"step": int(step), "event": kind, **_plain(fields)})
 
   def close(self) -> None:
     if self.tb is not None:

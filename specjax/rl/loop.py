@@ -206,7 +206,8 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
       start, data_position = int(meta["step"]), int(meta["data_position"])
       base_key = jnp.asarray(meta["rng"], jnp.uint32)
   logger = MetricsLogger(cfg.log_dir or out_dir, total_steps=cfg.steps, initial_step=start,
-                         tensorboard=cfg.tensorboard, progress=cfg.progress)
+                         tensorboard=cfg.tensorboard, progress=cfg.progress,
+                         enabled=jax.process_index() == 0)
   timer = PhaseTimer()
   completed, last, last_val = start, {}, {}
 
