@@ -118,8 +118,9 @@ class FlakyArithmetic(ArithmeticTask):
 
 def test_a_reward_function_that_raises_scores_zero_is_logged_and_the_loop_goes_on(
     base_model, tmp_path):
-  summary = run_rl(CFG, base_model, TOK, FlakyArithmetic(CFG.task, TOK), out_dir=str(tmp_path),
-                   stop_after=2, verbose=False)
+  with pytest.warns(UserWarning, match="reward function error"):
+    summary = run_rl(CFG, base_model, TOK, FlakyArithmetic(CFG.task, TOK),
+                     out_dir=str(tmp_path), stop_after=2, verbose=False)
   assert summary["steps"] == 2
   records = read_metrics(summary["metrics_path"])
   assert all(r["reward/errors"] > 0 for r in records)
