@@ -10,11 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from specjax.models import ModelConfig
-from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
-                               RolloutConfig, TaskConfig, ValidationConfig)
-from specjax.rl.experiment import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
-                                   biased_answer, parse_config, run_experiment)
+from specjax.rl.experiment import ExperimentConfig, biased_answer, parse_config, run_experiment
 from specjax.rl.tasks import Example, Score, register_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
@@ -66,23 +62,21 @@ def scratchpad_examples(task, n: int, seed: int, bias: float) -> list[tuple[str,
   return out
 
 
-DEFAULTS = ExperimentConfig(
-    name="rl_think",
-    base=BaseModelConfig(steps=150, examples=4000, batch_size=64, lr=3e-3, finetune_steps=150),
-    draft_init=DraftInitConfig(steps=200, prompts=256, batch_size=32),
-    rl=RLConfig(
-        model=ModelConfig(vocab_size=64, hidden_size=64, num_layers=4, num_heads=4,
-                          num_kv_heads=2, head_dim=16, mlp_hidden=128, tie_embeddings=True),
-        task=TaskConfig(name="arithmetic-think", digits=2, operands=3, operators="+-"),
-        grpo=GRPOConfig(group_size=8),
-        policy_optim=OptimConfig(lr=1e-3, warmup_steps=2, clip_norm=1.0),
-        draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
-        draft=DraftConfig(kind="eagle3", draft_len=3, online=True, loss_weight=1.0),
-        rollout=RolloutConfig(temperature=1.0, max_new_tokens=24),
-        validation=ValidationConfig(every=10, num_prompts=128, batch_size=128),
-        checkpoint=CheckpointConfig(every=20),
-        steps=40, prompts_per_step=8, seed=0, progress=True),
-)
+def _defaults() -> ExperimentConfig:
+  """rl_zero's embedded default, with a scratchpad fine-tune, 3-operand chains and longer outputs."""
+  from rl_zero import DEFAULTS as ZERO
+
+  rl = ZERO.rl
+  return dataclasses.replace(
+      ZERO, name="rl_think",
+      base=dataclasses.replace(ZERO.base, finetune_steps=300),
+      rl=dataclasses.replace(
+          rl, task=dataclasses.replace(rl.task, name="arithmetic-think", digits=1, operands=3,
+                                       operators="+-"),
+          rollout=dataclasses.replace(rl.rollout, max_new_tokens=24)))
+
+
+DEFAULTS = _defaults()
 
 
 def main(argv=None) -> dict:

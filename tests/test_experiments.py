@@ -12,7 +12,7 @@ TINY = ["--base.steps", "4", "--base.examples", "64", "--base.batch-size", "16",
         "--draft-init.steps", "3", "--draft-init.prompts", "16", "--draft-init.batch-size", "8",
         "--rl.steps", "2", "--rl.prompts-per-step", "2", "--rl.grpo.group-size", "4",
         "--rl.validation.every", "2", "--rl.validation.num-prompts", "8",
-        "--rl.validation.batch-size", "8", "--rl.progress", "False", "--rl.tensorboard", "False",
+        "--rl.validation.batch-size", "8", "--rl.no-progress", "--rl.no-tensorboard",
         "--rl.model.hidden-size", "32", "--rl.model.num-layers", "3", "--rl.model.mlp-hidden", "64"]
 
 
@@ -41,7 +41,7 @@ def test_rl_think_fine_tunes_a_scratchpad_model_and_runs_spec_rl(tmp_path):
   import rl_think
 
   args = ["--out-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
-          "--base.finetune-steps", "3", "--compare", "False"] + TINY
+          "--base.finetune-steps", "3", "--no-compare"] + TINY
   summary = rl_think.main(args)
   assert list(summary["runs"]) == ["spec"]
   assert (tmp_path / "runs" / "rl_think" / "summary.json").exists()

@@ -115,7 +115,7 @@ def parse_config(defaults: ExperimentConfig, argv: Sequence[str] | None = None) 
     cfg = from_dict(ExperimentConfig,
                     _merge(dataclasses.asdict(cfg), data, f"{yaml_path}: ExperimentConfig"))
   return tyro.cli(ExperimentConfig, default=cfg, args=argv,
-                  config=(tyro.conf.AvoidSubcommands, tyro.conf.FlagConversionOff),
+                  config=(tyro.conf.AvoidSubcommands,),
                   description="AR vs speculative GRPO on one task (see README).")
 
 

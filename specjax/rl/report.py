@@ -65,6 +65,17 @@ def run_stats(records: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
   }
 
 
+def _save(fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> str:
+  ax.set_xlabel(xlabel)
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
+  if ax.get_legend_handles_labels()[0]:
+    ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  return path
+
+
 def _plots(out: str, stats: dict[str, dict], initial: dict[str, float] | None) -> list[str]:
   import matplotlib
 
@@ -78,29 +89,18 @@ def _plots(out: str, stats: dict[str, dict], initial: dict[str, float] | None) -
     if initial and "val/accuracy" in initial:
       xs, ys = [0] + xs, [initial["val/accuracy"]] + ys
     ax.plot(xs, ys, marker="o", label=f"{label} rollouts")
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel("validation accuracy")
-  ax.set_title("Validation accuracy: AR vs speculative rollouts")
   ax.grid(alpha=0.3)
-  ax.legend()
-  paths.append(os.path.join(out, "val_accuracy.png"))
-  fig.tight_layout()
-  fig.savefig(paths[-1], dpi=110)
-  plt.close(fig)
+  paths.append(_save(fig, ax, os.path.join(out, "val_accuracy.png"), "GRPO step",
+                     "validation accuracy", "Validation accuracy: AR vs speculative rollouts"))
 
   fig, ax = plt.subplots(figsize=(6, 4))
   for label, s in stats.items():
     if s["acceptance_length"]:
       ax.plot(range(1, len(s["acceptance_length"]) + 1), s["acceptance_length"], label=label)
-  ax.set_xlabel("GRPO step")
-  ax.set_ylabel("acceptance length (tokens per target forward)")
-  ax.set_title("Acceptance length during RL")
   ax.grid(alpha=0.3)
-  ax.legend()
-  paths.append(os.path.join(out, "acceptance_length.png"))
-  fig.tight_layout()
-  fig.savefig(paths[-1], dpi=110)
-  plt.close(fig)
+  paths.append(_save(fig, ax, os.path.join(out, "acceptance_length.png"), "GRPO step",
+                     "acceptance length (tokens per target forward)",
+                     "Acceptance length during RL"))
 
   fig, ax = plt.subplots(figsize=(5, 4))
   labels = list(stats)
@@ -110,13 +110,9 @@ def _plots(out: str, stats: dict[str, dict], initial: dict[str, float] | None) -
     vals = np.array([stats[l]["phase_mean_s"].get(name, 0.0) for l in labels])
     ax.bar(labels, vals, bottom=bottom, label=name)
     bottom += vals
-  ax.set_ylabel("mean seconds per step")
-  ax.set_title("Where a step's time goes")
-  ax.legend()
-  paths.append(os.path.join(out, "phase_times.png"))
-  fig.tight_layout()
-  fig.savefig(paths[-1], dpi=110)
-  plt.close(fig)
+  paths.append(_save(fig, ax, os.path.join(out, "phase_times.png"), "run",
+                     "mean seconds per step", "Where a step's time goes"))
+  plt.close("all")
   return paths
 
 
