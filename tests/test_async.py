@@ -13,7 +13,7 @@ from flax import nnx
 from specjax.models import CharTokenizer, Decoder, ModelConfig
 from specjax.rl.async_config import AsyncConfig
 from specjax.rl.async_loop import WeightPush, run_rl_async, setup_async
-from specjax.rl.async_loss import tis_weights, weighted_pg_loss
+from specjax.rl.async_loss import tis_weights
 from specjax.rl.async_worker import RolloutWorker, RolloutWorkerError
 from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig,
                                RLConfig, RolloutConfig)
@@ -82,7 +82,7 @@ def test_tis_weight_scales_each_tokens_policy_gradient_term_and_nothing_else():
   gcfg = GRPOConfig(group_size=2, loss_agg="seq-mean-token-mean")
   ones = jnp.where(mask > 0, 1.0, 0.0)
   ref, ref_m = grpo_loss(lp, old, adv, mask, gcfg)
-  got, got_m = weighted_pg_loss(lp, old, adv, mask, ones, gcfg)
+  got, got_m = grpo_loss(lp, old, adv, mask, gcfg, pg_weights=ones)
   np.testing.assert_allclose(got, ref, rtol=1e-6)
   assert got_m.keys() == ref_m.keys()
   w = tis_weights(old, sampler, mask, cap=2.0)
@@ -91,7 +91,7 @@ def test_tis_weight_scales_each_tokens_policy_gradient_term_and_nothing_else():
                              rtol=1e-6)
   # the gradient wrt each token's logprob is the unweighted one times that token's weight
   g_ref = jax.grad(lambda x: grpo_loss(x, old, adv, mask, gcfg)[0])(lp)
-  g_w = jax.grad(lambda x: weighted_pg_loss(x, old, adv, mask, w, gcfg)[0])(lp)
+  g_w = jax.grad(lambda x: grpo_loss(x, old, adv, mask, gcfg, pg_weights=w)[0])(lp)
   np.testing.assert_allclose(g_w, g_ref * w, rtol=1e-5, atol=1e-8)
 
 

@@ -79,6 +79,18 @@ def test_policy_update_is_bitwise_identical_whether_the_draft_learns_or_not(setu
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_pg_weights_scale_the_policy_gradient_and_leave_the_draft_gradient_alone(setup):
+  trainer, state, batch = setup["trainer"], setup["state"], setup["batch"]
+  g, m = trainer.grads(state, batch, 1.0)
+  weighted = batch.replace(pg_weights=2.0 * batch.loss_mask)
+  g2, m2 = trainer.grads(state, weighted, 1.0)
+  for a, b in zip(_leaves(g["policy"]), _leaves(g2["policy"])):
+    np.testing.assert_allclose(2.0 * a, b, rtol=1e-5, atol=1e-7)  # beta = 0: all pg
+  for a, b in zip(_leaves(g["draft"]), _leaves(g2["draft"])):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-8)
+  np.testing.assert_allclose(m["pg_loss"], m2["pg_loss"], rtol=1e-6)  # metrics stay unweighted
+
+
 def test_policy_and_draft_groups_follow_their_own_schedules(setup):
   trainer, state, batch = setup["trainer"], setup["state"], setup["batch"]
   state, m = trainer.step(state, batch, 1.0)

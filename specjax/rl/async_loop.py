@@ -14,18 +14,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.rl.async_config import AsyncConfig
-from specjax.rl.async_loss import ISTrainer, WeightedTrainBatch, tis_weights, weight_metrics
+from specjax.rl.async_loss import tis_weights, weight_metrics
 from specjax.rl.async_worker import RolloutBatch, RolloutWorker
 from specjax.rl.checkpoint import Checkpointer
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.logging import MetricsLogger
-from specjax.rl.loop import MAX_ERRORS_LOGGED, Hook, RLRun, _width, setup_run, validate
+from specjax.rl.loop import MAX_ERRORS_LOGGED, Hook, RLRun, prompt_width, setup_run, validate
 from specjax.rl.rollout import (RolloutEngine, acceptance_summary, decode_completions,
                                 pad_prompts, sequence_arrays)
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
 from specjax.rl.timing import PhaseTimer, format_summary
-from specjax.rl.train_step import TrainBatch, TrainState
+from specjax.rl.train_step import TrainBatch, Trainer, TrainState
 from specjax.sharding import shard_batch, split_mesh, state_shardings, transfer
 
 WORKER_PHASES = ("data", "gen", "reward")  # timed inside the worker, off the trainer's path
@@ -52,7 +52,7 @@ class WeightPush:
   (`RolloutEngine.prepare`: the EAGLE-3 head with the policy's embedding, casts) is built there,
   so the embedding table is not sent twice."""
 
-  def __init__(self, trainer: ISTrainer, engine: RolloutEngine, gen_mesh):
+  def __init__(self, trainer: Trainer, engine: RolloutEngine, gen_mesh):
     self.trainer, self.engine, self.gen_mesh = trainer, engine, gen_mesh
     self._shardings = None
 
@@ -69,17 +69,12 @@ class WeightPush:
 def setup_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer, task: Task | None = None,
                 *, draft=None, draft_maps=None, devices: Sequence[Any] | None = None
                 ) -> tuple[RLRun, TrainState, RolloutEngine, Any]:
-  """(run with an ISTrainer on the training mesh, initial state there, the rollout engine with
+  """(run with its trainer on the training mesh, initial state there, the rollout engine with
   fixed drafter params on the generation mesh, the generation mesh)."""
   gen_mesh, train_mesh = split_mesh(devices, async_cfg.gen_fraction, async_cfg.gen_mesh,
                                     async_cfg.train_mesh)
-  run, state = setup_run(cfg.replace(use_mesh=False), policy, tokenizer, task, draft=draft,
-                         draft_maps=draft_maps)
-  trainer = ISTrainer(cfg, run.trainer.policy_graphdef, run.trainer.draft_graphdef,
-                      mesh=train_mesh)
-  state = trainer.place(state)
-  ref = trainer.forward_params(state.params) if cfg.grpo.beta > 0 else None
-  run = dataclasses.replace(run, cfg=cfg, trainer=trainer, ref_params=ref, mesh=train_mesh)
+  run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps,
+                         mesh=train_mesh)
   fixed = run.engine.drafter_params
   if fixed is not None and jax.tree.leaves(fixed):
     fixed = transfer(fixed, state_shardings(fixed, gen_mesh))
@@ -100,7 +95,7 @@ def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Arr
     position = data_position + (index - start) * n
     examples = task.examples(position, n)
     ids = [task.encode_prompt(e) for e in examples]
-    prompts, lengths, cut = pad_prompts(ids, _width(run, ids), tok.pad_id, repeat=g)
+    prompts, lengths, cut = pad_prompts(ids, prompt_width(run, ids), tok.pad_id, repeat=g)
     prompts, lengths = shard_batch((jnp.asarray(prompts), jnp.asarray(lengths)), gen_mesh)
     clock.lap("data", (prompts, lengths))
     key = jax.random.fold_in(jax.random.fold_in(base_key, index), 0)
@@ -161,7 +156,7 @@ def train_batch(run: RLRun, async_cfg: AsyncConfig, state: TrainState,
     return TrainBatch(**fields), extra
   w = tis_weights(old, sampler_lp, mask, async_cfg.is_clip)
   extra.update(weight_metrics(w, mask, async_cfg.is_clip))
-  return WeightedTrainBatch(**fields, is_weights=w), extra
+  return TrainBatch(**fields, pg_weights=w), extra
 
 
 def check_batch(item: RolloutBatch, step: int, policy_lag: int) -> int:

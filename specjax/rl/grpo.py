@@ -70,9 +70,12 @@ def aggregate(per_token: jax.Array, mask: jax.Array, agg: str,
 
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
               mask: jax.Array, cfg: GRPOConfig, ref_logprobs: jax.Array | None = None,
-              denom: LossDenominators | None = None) -> tuple[jax.Array, dict]:
+              denom: LossDenominators | None = None,
+              pg_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Clipped surrogate with separate low/high clip + beta * k3 KL. Arrays [B, T], advantages [B].
 
+  `pg_weights` [B, T] (e.g. truncated importance-sampling weights) scales each token's
+  policy-gradient term, as a constant; the KL term and all metrics stay unweighted.
   Returns (loss, metrics); metrics are token means over `mask` in this (micro-)batch, scaled like
   the loss so that they too sum over micro-batches.
   """
@@ -83,7 +86,7 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
   ratio = jnp.exp(log_ratio)
   clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
   pg = jnp.maximum(-adv * ratio, -adv * clipped)
-  per_token = pg
+  per_token = pg if pg_weights is None else pg * jax.lax.stop_gradient(pg_weights)
   # the clipped branch binds (and has zero gradient) exactly where these hold
   clip_low_hit = (ratio < 1.0 - cfg.clip_low) & (adv < 0)
   clip_high_hit = (ratio > 1.0 + cfg.clip_high) & (adv > 0)

@@ -67,12 +67,12 @@ def _initial_draft(cfg: RLConfig, policy_cfg, policy_params, draft, draft_maps):
 
 
 def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, draft=None,
-              draft_maps=None) -> tuple[RLRun, TrainState]:
-  """Build trainer, rollout engine and the initial train state (on the mesh if cfg.use_mesh)."""
+              draft_maps=None, mesh=None) -> tuple[RLRun, TrainState]:
+  """Build trainer, rollout engine and the initial train state: on `mesh` if given (then
+  cfg.use_mesh is ignored), else on `make_mesh(cfg.mesh)` if cfg.use_mesh, else one device."""
   graphdef, params = _policy_split(policy)
   policy_cfg = nnx.merge(graphdef, params).cfg
-  mesh = None
-  if cfg.use_mesh:
+  if mesh is None and cfg.use_mesh:
     from specjax.sharding import make_mesh
     mesh = make_mesh(cfg.mesh)
   policy_params, draft_params, draft_aux, draft_obj = _initial_draft(cfg, policy_cfg, params,
@@ -88,7 +88,8 @@ def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, dra
   return RLRun(cfg, trainer, engine, task, tokenizer, ref, width, mesh), state
 
 
-def _width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
+def prompt_width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
+  """Padded prompt width of a batch: the run's fixed width, else the longest prompt rounded up."""
   if run.prompt_width:
     return run.prompt_width
   longest = max(len(p) for p in prompts)
@@ -103,7 +104,8 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
   with timer.phase("data") as p:
     examples = run.task.examples(data_position, n_prompts)
     ids = [run.task.encode_prompt(e) for e in examples]
-    prompts, lengths, cut = pad_prompts(ids, _width(run, ids), run.tokenizer.pad_id, repeat=g)
+    prompts, lengths, cut = pad_prompts(ids, prompt_width(run, ids), run.tokenizer.pad_id,
+                                        repeat=g)
     prompts, lengths = p.sync((jnp.asarray(prompts), jnp.asarray(lengths)))
   with timer.phase("prepare") as p:
     gen_params, drafter_params = p.sync(run.engine.prepare(
@@ -158,7 +160,7 @@ def validate(run: RLRun, state: TrainState, key: jax.Array) -> dict[str, float]:
   gen_params, drafter_params = run.engine.prepare(
       state.params, run.trainer.forward_params(state.params), state.draft_aux)
   ids = [run.task.encode_prompt(e) for e in examples]
-  width = _width(run, ids)
+  width = prompt_width(run, ids)
   rewards, correct, lengths, acc_len = [], [], [], []
   for i, start in enumerate(range(0, len(examples), v.batch_size)):
     chunk = ids[start:start + v.batch_size]

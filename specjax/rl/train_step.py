@@ -32,6 +32,9 @@ class TrainBatch:
   advantages: jax.Array  # float32[B]
   old_logprobs: jax.Array  # float32[B, S]
   ref_logprobs: jax.Array  # float32[B, S] (zeros when beta == 0)
+  # float32[B, S] constant weight of each token's policy-gradient term (async RL's truncated
+  # importance sampling); None: unweighted, the same program as without the field
+  pg_weights: jax.Array | None = None
 
 
 @struct.dataclass
@@ -201,7 +204,7 @@ class Trainer:
     mask = batch.loss_mask.astype(jnp.float32)
     ref = batch.ref_logprobs if self.cfg.grpo.beta > 0 else None
     loss, metrics = grpo_loss(lp, batch.old_logprobs, batch.advantages, mask, self.cfg.grpo, ref,
-                              denom)
+                              denom, pg_weights=batch.pg_weights)
     metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask) / denom.tokens
     sg = jax.lax.stop_gradient
     if self.online and self.is_mtp:
