@@ -39,13 +39,15 @@ def two_proportion_test(k1: int, n1: int, k2: int, n2: int) -> dict[str, float]:
   return {"z": z, "p_value": p_value if pooled not in (0.0, 1.0) else 1.0}
 
 
-def run_stats(records: list[dict], summary: dict[str, Any]) -> dict[str, Any]:
+def run_stats(records: list[dict]) -> dict[str, Any]:
   steps = [r for r in records if "time/step" in r]
   gen = [r.get("time/gen", 0.0) for r in steps]
   step = [r["time/step"] for r in steps]
   _, acc_len = _series(records, "spec/acceptance_length")
   val_steps, val_acc = _series(records, "val/accuracy")
-  phases = {k: v["mean_s"] for k, v in summary.get("phases", {}).get("phases", {}).items()}
+  names = [k[len("time/"):] for k in (steps[0] if steps else {}) if k.startswith("time/")
+           and k != "time/step"]
+  phases = {k: _mean_after_first([r.get(f"time/{k}", 0.0) for r in steps]) for k in names}
   total_phase = sum(phases.values()) or 1.0
   return {
       "steps": len(steps),
@@ -118,7 +120,7 @@ def _plots(out: str, stats: dict[str, dict], initial: dict[str, float] | None) -
 
 def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
                  initial: dict[str, float] | None = None) -> dict[str, Any]:
-  stats = {label: run_stats(read_metrics(r["metrics_path"]), r) for label, r in results.items()}
+  stats = {label: run_stats(read_metrics(r["metrics_path"])) for label, r in results.items()}
   summary: dict[str, Any] = {
       "name": cfg.name, "wall_time_s": wall_s, "initial_validation": initial or {},
       "runs": stats, "config": dataclasses.asdict(cfg),
