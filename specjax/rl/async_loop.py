@@ -20,7 +20,7 @@ from specjax.rl.checkpoint import Checkpointer
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.logging import MetricsLogger
-from specjax.rl.loop import MAX_ERRORS_LOGGED, Hook, RLRun, prompt_width, setup_run, validate
+from specjax.rl.loop import Hook, RLRun, finish_step, prompt_width, setup_run
 from specjax.rl.rollout import (RolloutEngine, acceptance_summary, decode_completions,
                                 pad_prompts, sequence_arrays)
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
@@ -251,21 +251,9 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
       for k in WORKER_PHASES:
         worker_times[k].append(metrics[f"time/{k}"])
       gaps.append(metrics["async/version_gap"])
-      for msg in errors[:MAX_ERRORS_LOGGED]:
-        logger.log_event(completed, "reward_error", message=msg)
-      if errors:
-        warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
-                      f"first: {errors[0]}")
-      v = cfg.validation
-      if v.every and (completed % v.every == 0 or completed == cfg.steps):
-        last_val = validate(run, state, jax.random.fold_in(base_key, 1_000_000 + completed))
-        metrics.update(last_val)
-        for hook in validation_hooks:
-          hook(completed, last_val)
-      logger.log(completed, metrics)
+      last_val = finish_step(run, state, completed, metrics, errors, logger, base_key, hooks,
+                             validation_hooks) or last_val
       last = metrics
-      for hook in hooks:
-        hook(completed, metrics)
       if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
         save()
   except BaseException:

@@ -184,6 +184,29 @@ def validate(run: RLRun, state: TrainState, key: jax.Array) -> dict[str, float]:
   return out
 
 
+def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, errors: list[str],
+                logger: MetricsLogger, base_key: jax.Array, hooks: Sequence[Hook] = (),
+                validation_hooks: Sequence[Hook] = ()) -> dict[str, float]:
+  """After a step (sync or async): report reward-function errors, validate when due, log the
+  metrics, call the hooks. Returns this step's validation metrics ({} when none ran)."""
+  for msg in errors[:MAX_ERRORS_LOGGED]:
+    logger.log_event(completed, "reward_error", message=msg)
+  if errors:
+    warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
+                  f"first: {errors[0]}")
+  val = {}
+  v = run.cfg.validation
+  if v.every and (completed % v.every == 0 or completed == run.cfg.steps):
+    val = validate(run, state, jax.random.fold_in(base_key, 1_000_000 + completed))
+    metrics.update(val)
+    for hook in validation_hooks:
+      hook(completed, val)
+  logger.log(completed, metrics)
+  for hook in hooks:
+    hook(completed, metrics)
+  return val
+
+
 def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
            draft=None, draft_maps=None, hooks: Sequence[Hook] = (),
            validation_hooks: Sequence[Hook] = (), stop_after: int | None = None,
@@ -225,21 +248,9 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
       completed, data_position = step + 1, data_position + cfg.prompts_per_step
       metrics.update(timer.end_step())
       metrics["perf/gen_tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
-      for msg in errors[:MAX_ERRORS_LOGGED]:
-        logger.log_event(completed, "reward_error", message=msg)
-      if errors:
-        warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
-                      f"first: {errors[0]}")
-      v = cfg.validation
-      if v.every and (completed % v.every == 0 or completed == cfg.steps):
-        last_val = validate(run, state, jax.random.fold_in(base_key, 1_000_000 + completed))
-        metrics.update(last_val)
-        for hook in validation_hooks:
-          hook(completed, last_val)
-      logger.log(completed, metrics)
+      last_val = finish_step(run, state, completed, metrics, errors, logger, base_key, hooks,
+                             validation_hooks) or last_val
       last = metrics
-      for hook in hooks:
-        hook(completed, metrics)
       if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
         save()
   except BaseException:
