@@ -8,7 +8,6 @@ Hugging Face checkpoint and `--dataset` a local JSONL/parquet math set.
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-import warnings
 from typing import Any, Sequence
 
 import jax
@@ -16,11 +15,10 @@ import numpy as np
 from specjax.rl.async_config import AsyncConfig
 from specjax.rl.async_loss import tis_weights, weight_metrics
 from specjax.rl.async_worker import RolloutBatch, RolloutWorker
-from specjax.rl.checkpoint import Checkpointer
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.logging import MetricsLogger
-from specjax.rl.loop import Hook, RLRun, finish_step, prompt_width, setup_run
+from specjax.rl.loop import (Hook, RLRun, close_run, finish_step, open_run, prompt_width,
+                             setup_run)
 from specjax.rl.rollout import (RolloutEngine, acceptance_summary, decode_completions,
                                 pad_prompts, sequence_arrays)
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
@@ -219,18 +217,7 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   os.makedirs(out_dir, exist_ok=True)
   run, state, engine, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
                                              draft_maps=draft_maps, devices=devices)
-  base_key = jax.random.PRNGKey(cfg.seed)
-  ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
-                      keep=cfg.checkpoint.keep)
-  start, data_position = 0, 0
-  if cfg.checkpoint.resume:
-    restored = ckpt.restore(state)
-    if restored is not None:
-      state, meta = restored
-      start, data_position = int(meta["step"]), int(meta["data_position"])
-      base_key = jnp.asarray(meta["rng"], jnp.uint32)
-  logger = MetricsLogger(cfg.log_dir or out_dir, total_steps=cfg.steps, initial_step=start,
-                         tensorboard=cfg.tensorboard, progress=cfg.progress)
+  ckpt, logger, state, start, data_position, base_key = open_run(cfg, out_dir, state)
   timer, worker_times = PhaseTimer(), {k: [] for k in WORKER_PHASES}
   completed, last, last_val, gaps = start, {}, {}, []
   push = WeightPush(run.trainer, engine, gen_mesh)
@@ -258,19 +245,10 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
         save()
   except BaseException:
     worker.close(async_cfg.shutdown_timeout_s)
-    if cfg.checkpoint.save_on_exit and completed > start:
-      try:
-        save()
-      except Exception as e:  # noqa: BLE001 - never mask the original error
-        warnings.warn(f"run_rl_async: saving a checkpoint on exit failed: {e!r}")
-    logger.close()
-    ckpt.close()
+    close_run(cfg, ckpt, logger, save, completed > start, failed=True)
     raise
   worker.close(async_cfg.shutdown_timeout_s)
-  if cfg.checkpoint.save_on_exit and completed > start:
-    save()
-  logger.close()
-  ckpt.close()
+  close_run(cfg, ckpt, logger, save, completed > start, failed=False)
   phases = timer.summary()
   if verbose:
     print(format_summary(phases))

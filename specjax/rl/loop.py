@@ -207,19 +207,10 @@ def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, er
   return val
 
 
-def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
-           draft=None, draft_maps=None, hooks: Sequence[Hook] = (),
-           validation_hooks: Sequence[Hook] = (), stop_after: int | None = None,
-           verbose: bool = True) -> dict[str, Any]:
-  """Run GRPO up to cfg.steps steps (resuming from the newest good checkpoint in the run's
-  checkpoint dir when cfg.checkpoint.resume); `stop_after` ends this call after that many steps
-  (a time-sliced job: the schedules still span cfg.steps). `policy` is a `Decoder` or its
-  (graphdef, params); `draft` the EAGLE-3 head or the draft `Decoder` when the kind needs one.
-
-  Returns a summary: steps run, last metrics, last validation, the phase breakdown, paths and the
-  final train state ("state")."""
-  os.makedirs(out_dir, exist_ok=True)
-  run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
+def open_run(cfg: RLConfig, out_dir: str, state: TrainState):
+  """Checkpointer and metrics logger of a run, and where it starts: the state, step, data
+  position and RNG key of the newest good checkpoint when cfg.checkpoint.resume, else step 0.
+  Returns (ckpt, logger, state, start, data_position, base_key)."""
   base_key = jax.random.PRNGKey(cfg.seed)
   ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
                       keep=cfg.checkpoint.keep)
@@ -233,6 +224,38 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
   logger = MetricsLogger(cfg.log_dir or out_dir, total_steps=cfg.steps, initial_step=start,
                          tensorboard=cfg.tensorboard, progress=cfg.progress,
                          enabled=jax.process_index() == 0)
+  return ckpt, logger, state, start, data_position, base_key
+
+
+def close_run(cfg: RLConfig, ckpt: Checkpointer, logger: MetricsLogger, save: Callable[[], None],
+              progressed: bool, *, failed: bool) -> None:
+  """Save on exit (if the run made progress) and close the logger and checkpointer. On a failure
+  a failing save only warns, so the original error is the one that surfaces."""
+  if cfg.checkpoint.save_on_exit and progressed:
+    try:
+      save()
+    except Exception as e:  # noqa: BLE001
+      if not failed:
+        raise
+      warnings.warn(f"saving a checkpoint on exit failed: {e!r}")
+  logger.close()
+  ckpt.close()
+
+
+def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
+           draft=None, draft_maps=None, hooks: Sequence[Hook] = (),
+           validation_hooks: Sequence[Hook] = (), stop_after: int | None = None,
+           verbose: bool = True) -> dict[str, Any]:
+  """Run GRPO up to cfg.steps steps (resuming from the newest good checkpoint in the run's
+  checkpoint dir when cfg.checkpoint.resume); `stop_after` ends this call after that many steps
+  (a time-sliced job: the schedules still span cfg.steps). `policy` is a `Decoder` or its
+  (graphdef, params); `draft` the EAGLE-3 head or the draft `Decoder` when the kind needs one.
+
+  Returns a summary: steps run, last metrics, last validation, the phase breakdown, paths and the
+  final train state ("state")."""
+  os.makedirs(out_dir, exist_ok=True)
+  run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
+  ckpt, logger, state, start, data_position, base_key = open_run(cfg, out_dir, state)
   timer = PhaseTimer()
   completed, last, last_val = start, {}, {}
 
@@ -254,18 +277,9 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
       if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
         save()
   except BaseException:
-    if cfg.checkpoint.save_on_exit and completed > start:
-      try:
-        save()  # the state after the last completed step; then the error goes on
-      except Exception as e:  # noqa: BLE001 - never mask the original error
-        warnings.warn(f"run_rl: saving a checkpoint on exit failed: {e!r}")
-    logger.close()
-    ckpt.close()
+    close_run(cfg, ckpt, logger, save, completed > start, failed=True)
     raise
-  if cfg.checkpoint.save_on_exit and completed > start:
-    save()
-  logger.close()
-  ckpt.close()
+  close_run(cfg, ckpt, logger, save, completed > start, failed=False)
   phases = timer.summary()
   if verbose:
     print(format_summary(phases))
