@@ -8,7 +8,6 @@ Hugging Face checkpoint and `--dataset` a local JSONL/parquet math set.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 from specjax.models import ModelConfig
