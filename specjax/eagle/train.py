@@ -19,7 +19,8 @@ from tqdm.auto import tqdm
 from specjax.eagle.head import Eagle3Head, init_head
 from specjax.eagle.ttt import ttt_loss
 from specjax.eagle.vocab import VocabMaps, build_vocab_maps_from_tokens
-from specjax.sampling.ar import SamplingConfig, generate, split_model
+from specjax.sampling.ar import generate
+from specjax.sampling.core import SamplingConfig, split_model
 
 
 @dataclasses.dataclass(frozen=True)

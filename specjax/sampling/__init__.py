@@ -3,7 +3,8 @@
 `generate` and `speculative_generate` return the same `Rollout`; drafters implement `Drafter`.
 """
 
-from specjax.sampling.ar import Rollout, SamplingConfig, generate
+from specjax.sampling.ar import generate
+from specjax.sampling.core import Rollout, SamplingConfig
 from specjax.sampling.draft_model import DraftModelDrafter, truncated_copy
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import (AcceptanceCounts, AcceptanceMetrics, acceptance_metrics,

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.models.cache import KVCache
-from specjax.sampling.ar import (Rollout, SamplingConfig, check_prompts, finish, is_eos, prefill,
-                                 split_model)
+from specjax.sampling.core import (Rollout, SamplingConfig, check_prompts, finish, is_eos, prefill,
+                                   split_model)
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.processing import sample_token
