@@ -1,7 +1,7 @@
 """Tokenizers: a tiny character tokenizer for the embedded tasks, and a wrapper over `tokenizers`.
 
 Both expose the same small surface: `encode`, `decode`, `vocab_size`, `pad_id`, `bos_id`,
-`eos_ids`.
+`eos_ids`. `HFTokenizer` also carries the model's chat template, found where transformers writes it.
 """
 
 from __future__ import annotations
@@ -69,10 +69,74 @@ class CharTokenizer:
     return "".join(out)
 
 
-class HFTokenizer:
-  """`tokenizers.Tokenizer` from a local tokenizer.json, with EOS/pad ids from the model files."""
+CHAT_TEMPLATE_FILES = ("chat_template.jinja", "chat_template.json", "tokenizer_config.json")
+NO_TEMPLATE = "none"
 
-  def __init__(self, path: str):
+
+def _template_from_json(value, file: str) -> str:
+  """A chat template as stored in JSON: a string, or a list of {name, template} (the "default")."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, list):
+    named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+    if isinstance(named.get("default"), str):
+      return named["default"]
+  raise ValueError(f"{file}: field 'chat_template' must be a string or a list of "
+                   f"{{name, template}} with a 'default' entry")
+
+
+def read_chat_template(folder: str) -> tuple[str | None, str | None]:
+  """(template, file it came from) from a tokenizer directory, or (None, None). Looks where
+  transformers writes it, in its order of precedence: chat_template.jinja (recent transformers
+  save it there, version 5 only there), chat_template.json, then tokenizer_config.json's field."""
+  jinja = os.path.join(folder, "chat_template.jinja")
+  if os.path.exists(jinja):
+    with open(jinja, encoding="utf-8") as f:
+      return f.read(), jinja
+  for name in CHAT_TEMPLATE_FILES[1:]:
+    file = os.path.join(folder, name)
+    if os.path.exists(file):
+      with open(file, encoding="utf-8") as f:
+        value = json.load(f).get("chat_template")
+      if value is not None:
+        return _template_from_json(value, file), file
+  return None, None
+
+
+def resolve_chat_template(folder: str, choice: str | None) -> tuple[str | None, str | None]:
+  """(template, source) for a tokenizer directory and the caller's `choice`: None reads the
+  directory (template None, source None when it has none); "none" chooses no template on purpose;
+  a path to a .jinja/.json file reads that file; any other string is the jinja template itself."""
+  if choice is None:
+    return read_chat_template(folder)
+  if choice == NO_TEMPLATE:
+    return None, NO_TEMPLATE
+  if os.path.isfile(choice):
+    with open(choice, encoding="utf-8") as f:
+      text = f.read()
+    if choice.endswith(".json"):
+      return _template_from_json(json.loads(text).get("chat_template"), choice), choice
+    return text, choice
+  if "{{" in choice or "{%" in choice:
+    return choice, "argument"
+  raise ValueError(f"chat template choice {choice!r}: not 'none', not an existing file and not a "
+                   "jinja template (no '{{' or '{%')")
+
+
+class MissingChatTemplateError(ValueError):
+  """The tokenizer directory has no chat template and the caller chose none explicitly."""
+
+
+class HFTokenizer:
+  """`tokenizers.Tokenizer` from a local tokenizer.json, with EOS/pad ids from the model files.
+
+  `chat_template` is the caller's choice (see `resolve_chat_template`); the resolved template is
+  `self.chat_template` (None when there is none) and where it came from `self.chat_template_source`
+  (a file, "argument", "none" for an explicit no-template choice, None when the directory has
+  none). `require_chat_template()` turns a missing template into an error naming the directory.
+  """
+
+  def __init__(self, path: str, chat_template: str | None = None):
     from tokenizers import Tokenizer
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -80,13 +144,13 @@ class HFTokenizer:
       raise FileNotFoundError(f"tokenizer: {file} does not exist")
     self._tok = Tokenizer.from_file(file)
     folder = os.path.dirname(file)
-    self.chat_template = None
+    self.path = folder
+    self.chat_template, self.chat_template_source = resolve_chat_template(folder, chat_template)
     cfg = {}
     tc = os.path.join(folder, "tokenizer_config.json")
     if os.path.exists(tc):
       with open(tc) as f:
         cfg = json.load(f)
-      self.chat_template = cfg.get("chat_template")
     eos = []
     for name in ("eos_token",):
       tok = cfg.get(name)
@@ -109,6 +173,16 @@ class HFTokenizer:
     if isinstance(bos, dict):
       bos = bos.get("content")
     self.bos_id = self._tok.token_to_id(bos) if bos else None
+
+  def require_chat_template(self) -> str | None:
+    """The template; raises MissingChatTemplateError when the directory has none and no explicit
+    choice was made (never a silent fallback)."""
+    if self.chat_template is None and self.chat_template_source is None:
+      raise MissingChatTemplateError(
+          f"{self.path}: no chat template (looked in {', '.join(CHAT_TEMPLATE_FILES)}); choose one "
+          f"explicitly: chat_template='{NO_TEMPLATE}' (plain 'Role: content' prompts), a "
+          ".jinja file, or a jinja string")
+    return self.chat_template
 
   @property
   def vocab_size(self) -> int:
