@@ -158,10 +158,10 @@ class Eagle3Drafter(ChainDrafter):
     head = self._head(params)
     b, t = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-    keys = jnp.broadcast_to(jnp.arange(cache.size, dtype=jnp.int32), (b, cache.size))
+    keys = jnp.broadcast_to(jnp.arange(cache.visible, dtype=jnp.int32), (b, cache.visible))
     mask = causal_mask(positions, keys)
     out, (k, v) = head(params.embed, hidden, tokens, positions, mask, (cache.k[0], cache.v[0]),
-                       cache.lengths)
+                       cache.lengths, cache.visible)
     return out, cache.replace(k=(k,), v=(v,))
 
   def draft_logits(self, params, hidden):

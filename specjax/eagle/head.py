@@ -64,14 +64,14 @@ class Eagle3Head(nnx.Module):
     return aux_hidden.astype(dt) @ self.fc[...].astype(dt)
 
   def __call__(self, embed_table: jax.Array, hidden: jax.Array, tokens: jax.Array,
-               positions: jax.Array, mask: jax.Array, kv=None, write_at=None):
+               positions: jax.Array, mask: jax.Array, kv=None, write_at=None, visible=None):
     """One head step. `embed_table` [V, d] is the policy's; tokens[b, t] is the token that
     follows the state hidden[b, t]. Returns (h' [B, T, d], kv) as `Attention` does."""
     dt = self.dtype
     emb = jnp.take(jax.lax.stop_gradient(embed_table), tokens, axis=0).astype(dt)
     hidden = hidden.astype(dt)
     x = jnp.concatenate([self.embed_norm(emb), self.hidden_norm(hidden)], axis=-1)
-    a, kv = self.attn(x, positions, mask, kv, write_at)
+    a, kv = self.attn(x, positions, mask, kv, write_at, visible)
     h = hidden + a.astype(dt)
     h = h + self.mlp(self.post_attn_norm(h)).astype(dt)
     return h, kv

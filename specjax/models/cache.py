@@ -4,6 +4,10 @@ Row b holds `lengths[b]` valid entries; a forward of T tokens writes K/V at posi
 `lengths[b] .. lengths[b] + T - 1` and leaves `lengths` unchanged: the caller commits what it keeps
 with `advance` (the speculative loop commits `num_accepted + 1` of K + 1 written entries). Entries
 at or beyond `lengths[b]` are invisible to later queries and get overwritten.
+
+`window` (static, 0 = the whole cache) bounds what attention reads: queries see only positions
+< window, so a decode step over short rows reads a prefix of the buffers, not all of them. The
+caller keeps every live row's writes inside the window.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ class KVCache:
   k: tuple[jax.Array, ...]  # per layer [B, S, Hkv, Dh]
   v: tuple[jax.Array, ...]
   lengths: jax.Array  # int32[B]
+  window: int = struct.field(pytree_node=False, default=0)  # positions attention reads; 0 = all
 
   @classmethod
   def create(cls, num_layers: int, batch: int, size: int, num_kv_heads: int, head_dim: int,
@@ -30,6 +35,14 @@ class KVCache:
   @property
   def size(self) -> int:
     return self.k[0].shape[1]
+
+  @property
+  def visible(self) -> int:
+    """How many leading positions attention reads."""
+    return min(self.window, self.size) if self.window else self.size
+
+  def with_window(self, window: int) -> "KVCache":
+    return self.replace(window=int(window))
 
   @property
   def batch(self) -> int:

@@ -27,7 +27,7 @@ def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=No
   """Absolute positions [B, T] of the new tokens and the attention mask [B, T, S]."""
   if cache is not None:
     positions = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None]
-    keys = jnp.broadcast_to(jnp.arange(cache.size, dtype=jnp.int32), (batch, cache.size))
+    keys = jnp.broadcast_to(jnp.arange(cache.visible, dtype=jnp.int32), (batch, cache.visible))
     return positions, causal_mask(positions, keys)
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
@@ -47,10 +47,10 @@ class MTPModule(nnx.Module):
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, pd, rngs=rngs)
     self.dtype = cfg.compute_dtype
 
-  def __call__(self, emb, hidden, positions, mask, kv=None, write_at=None):
+  def __call__(self, emb, hidden, positions, mask, kv=None, write_at=None, visible=None):
     x = jnp.concatenate([self.embed_norm(emb), self.hidden_norm(hidden.astype(emb.dtype))], -1)
     x = x.astype(self.dtype) @ self.proj[...].astype(self.dtype)
-    return self.layer(x, positions, mask, kv, write_at)
+    return self.layer(x, positions, mask, kv, write_at, visible)
 
 
 class Decoder(nnx.Module):
@@ -97,7 +97,8 @@ class Decoder(nnx.Module):
       if cache is None:
         x, _ = layer(x, positions, mask)
       else:
-        x, (k, v) = layer(x, positions, mask, (cache.k[i], cache.v[i]), cache.lengths)
+        x, (k, v) = layer(x, positions, mask, (cache.k[i], cache.v[i]), cache.lengths,
+                          cache.visible)
         new_k.append(k)
         new_v.append(v)
     new_cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
@@ -121,7 +122,8 @@ class Decoder(nnx.Module):
       x, _ = self.mtp(emb, hidden, positions, mask)
       new_cache = None
     else:
-      x, (k, v) = self.mtp(emb, hidden, positions, mask, (cache.k[0], cache.v[0]), cache.lengths)
+      x, (k, v) = self.mtp(emb, hidden, positions, mask, (cache.k[0], cache.v[0]), cache.lengths,
+                           cache.visible)
       new_cache = cache.replace(k=(k,), v=(v,))
     logits = self.head(x, self.mtp.final_norm) if compute_logits else None
     return DecoderOutput(logits=logits, hidden=x, aux_hidden=x, cache=new_cache)

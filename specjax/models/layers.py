@@ -100,9 +100,10 @@ class Attention(nnx.Module):
     self.dtype = cfg.compute_dtype
 
   def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None = None,
-               write_at: jax.Array | None = None):
+               write_at: jax.Array | None = None, visible: int | None = None):
     """Returns (out [B,T,d], (k, v)): with `kv` the cache buffers are returned with the new entries
-    written at `write_at[b]`; without it, the fresh k/v of this call."""
+    written at `write_at[b]`; without it, the fresh k/v of this call. `visible` (static): attend
+    over the first `visible` cache positions only (mask [B, T, visible])."""
     dt = self.dtype
     x = x.astype(dt)
     q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
@@ -116,7 +117,8 @@ class Attention(nnx.Module):
     if kv is not None:
       k = write_rows(kv[0], k, write_at)
       v = write_rows(kv[1], v, write_at)
-    out = attend(q, k.astype(dt), v.astype(dt), mask)
+    ks, vs = (k, v) if visible is None else (k[:, :visible], v[:, :visible])
+    out = attend(q, ks.astype(dt), vs.astype(dt), mask)
     return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), (k, v)
 
 
@@ -145,8 +147,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.params_dtype, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, mask, kv=None, write_at=None):
-    a, kv = self.attn(self.input_norm(x), positions, mask, kv, write_at)
+  def __call__(self, x, positions, mask, kv=None, write_at=None, visible=None):
+    a, kv = self.attn(self.input_norm(x), positions, mask, kv, write_at, visible)
     x = x + a.astype(x.dtype)
     x = x + self.mlp(self.post_attn_norm(x)).astype(x.dtype)
     return x, kv
