@@ -140,16 +140,17 @@ def _residuals(cases, eff, fields, x, prior, ridge):
 
 def fit_efficiency(cases: Sequence[MeasuredCase], start: Efficiency | None = None,
                    fields: Sequence[str] = PAPER_FIELDS, ridge: float = 1e-3,
-                   iters: int = 40) -> Efficiency:
+                   iters: int = 40, bounds: dict | None = None) -> Efficiency:
   """Levenberg-Marquardt on log-parameters (finite-difference Jacobian) minimising
   sum_i w_i log(pred_i / measured_i)^2 + ridge * sum_j log(x_j / start_j)^2 within BOUNDS.
   The small ridge keeps directions the cases do not constrain at their nominal values."""
   start = start or Efficiency()
+  bounds = bounds or BOUNDS
   for f in fields:
-    if f not in BOUNDS:
-      raise ValueError(f"fit_efficiency: field {f!r} is not fittable; choose from {sorted(BOUNDS)}")
-  lo = np.log([BOUNDS[f][0] for f in fields])
-  hi = np.log([BOUNDS[f][1] for f in fields])
+    if f not in bounds:
+      raise ValueError(f"fit_efficiency: field {f!r} is not fittable; choose from {sorted(bounds)}")
+  lo = np.log([bounds[f][0] for f in fields])
+  hi = np.log([bounds[f][1] for f in fields])
   prior = np.clip(np.log([getattr(start, f) for f in fields]), lo, hi)
   x = prior.copy()
   r = _residuals(cases, start, fields, x, prior, ridge)

@@ -34,14 +34,26 @@ class Efficiency:
   host_ngram_s_per_token: float = 2e-9  # CPU n-gram lookup time per context token scanned
   prepare_overhead_s: float = 5.0  # colocated: engine wake/sleep, train-state offload per step
   other_s: float = 2.0  # data loading + reward per step
+  # Fields that matter for small models on CPUs (zero / neutral on the GPU entries):
+  attn_flops: float | None = None  # fraction of peak in attention (None: same as `flops`)
+  kv_bw: float | None = None  # fraction of bandwidth reading / writing the KV cache (None: `bw`)
+  layer_overhead_s: float = 0.0  # per layer per forward: op dispatch inside the program
+  logit_s: float = 0.0  # per logit element (row x position x vocab): softmax, sampling, verify
+  overlap_p: float = ROOFLINE_P  # roofline knee; 1 = compute and memory traffic add up
 
   def __post_init__(self):
+    for f in ("attn_flops", "kv_bw"):
+      v = getattr(self, f)
+      if v is not None and not 0 < v <= 1:
+        raise ValueError(f"Efficiency.{f}: must be None or in (0, 1], got {v}")
+    if self.overlap_p < 1:
+      raise ValueError(f"Efficiency.overlap_p: must be >= 1, got {self.overlap_p}")
     for f in ("bw", "flops", "mfu", "comm"):
       v = getattr(self, f)
       if not 0 < v <= 1:
         raise ValueError(f"Efficiency.{f}: must be in (0, 1], got {v}")
     for f in ("step_overhead_s", "draft_overhead_s", "host_ngram_s_per_token",
-              "prepare_overhead_s", "other_s"):
+              "prepare_overhead_s", "other_s", "layer_overhead_s", "logit_s"):
       if getattr(self, f) < 0:
         raise ValueError(f"Efficiency.{f}: must be >= 0, got {getattr(self, f)}")
 
@@ -142,13 +154,17 @@ def forward_time(net: Net, hw: HardwareSpec, eff: Efficiency, mp: int, tokens, k
   tokens = np.asarray(tokens, float)
   kv_tokens = np.asarray(kv_tokens, float)
   logit_tokens = tokens if logit_tokens is None else np.asarray(logit_tokens, float)
-  flops = net.flops_per_token() * tokens + net.attn_pair_flops * queries_per_row * kv_tokens
-  nbytes = (net.weight_bytes(tokens) + net.kv_bytes_per_token * (kv_tokens + tokens)
-            + LOGIT_BYTES * net.vocab * logit_tokens)
-  compute = flops / (mp * hw.flops * eff.flops)
-  memory = nbytes / (mp * hw.hbm_bw * eff.bw)
-  roof = (compute**ROOFLINE_P + memory**ROOFLINE_P) ** (1.0 / ROOFLINE_P)
-  busy = np.where(tokens > 0, roof + overhead_s, 0.0)
+  attn = net.attn_pair_flops * queries_per_row * kv_tokens
+  nbytes = net.weight_bytes(tokens) + LOGIT_BYTES * net.vocab * logit_tokens
+  kv_bytes = net.kv_bytes_per_token * (kv_tokens + tokens)
+  compute = (net.flops_per_token() * tokens / (mp * hw.flops * eff.flops)
+             + attn / (mp * hw.flops * (eff.attn_flops or eff.flops)))
+  memory = (nbytes / (mp * hw.hbm_bw * eff.bw)
+            + kv_bytes / (mp * hw.hbm_bw * (eff.kv_bw or eff.bw)))
+  p = eff.overlap_p
+  roof = (compute**p + memory**p) ** (1.0 / p)
+  fixed = overhead_s + net.layers * eff.layer_overhead_s + eff.logit_s * net.vocab * logit_tokens
+  busy = np.where(tokens > 0, roof + fixed, 0.0)
   return busy + np.where(tokens > 0, collective_time(net, hw, eff, mp, tokens), 0.0)
 
 

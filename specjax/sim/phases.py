@@ -133,6 +133,85 @@ def generation(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
                    acceptance_length=acc)
 
 
+def generation_specjax(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
+                       workload: Workload, *, mp: int, drafter: str = "none",
+                       draft_len: int = 0, acceptance_length: float = 1.0,
+                       draft_model: ModelSpec | None = None, adaptive: bool = False,
+                       min_bucket: int = 8, rows_per_replica: int | None = None,
+                       memory_fraction: float = 0.85) -> GenResult:
+  """Rollout time of one step with specjax's engine (`engine.run_engine`): every replica
+  allocates a static cache of prompt + max length + K + 1 per row, so it runs its rows in
+  waves of at most that many; each wave starts in one bucket and compacts into smaller ones
+  as rows finish (adaptive K per bucket if `adaptive`). Waves run one after another."""
+  from specjax.sim.engine import EngineConfig, cumulative_rates, run_engine
+  from specjax.sim.engine_cost import EngineCost
+  speculative = drafter != "none" and (draft_len > 0 or adaptive)
+  replicas = gpus // mp
+  rows = rows_per_replica or math.ceil(workload.rollouts / replicas)
+  max_k = draft_len if speculative else 0
+  n_max = workload.max_response_len
+  cache = workload.prompt_len + n_max + max_k + 1
+  extra = 0.0
+  if speculative and drafter == "draft-model":
+    extra = draft_model.weight_bytes
+  elif speculative and drafter in ("eagle3", "mtp"):
+    net = cost.eagle3_net(model) if drafter == "eagle3" else cost.mtp_net(model)
+    extra = net.dense_params * net.bytes_per_param
+  budget = mp * hw.hbm_bytes * memory_fraction - model.weight_bytes - extra
+  per_row = model.kv_bytes_per_token * cache
+  if budget < per_row:
+    raise ValueError(f"{model.name} does not fit a {mp}-GPU {hw.name} replica with a static "
+                     f"cache of {cache} positions for one row; raise gen_mp")
+  slots = int(min(rows, budget // per_row))
+  waves = math.ceil(rows / slots)
+  lengths = _replica_lengths(workload, rows)
+  order = _queue_order(rows)  # the longest row first, then a mix of short and long rows
+  rates = cumulative_rates(acceptance_length, max_k, decay=workload.acceptance_decay) \
+      if speculative else []
+  ec = EngineCost(model, hw, eff, drafter if speculative else "none", draft_model, mp)
+  seconds, prefill, iters = 0.0, 0.0, 0
+  for w in range(waves):
+    wave = lengths[order[w::waves]]
+    b = len(wave)
+    ecfg = EngineConfig(batch=b, prompt_len=workload.prompt_len, max_new=n_max,
+                        draft_len=max_k if not adaptive else 0, max_draft_len=max_k,
+                        adaptive=adaptive and speculative, min_bucket=min(min_bucket, b))
+    pre = ec.prefill(b, workload.prompt_len, cache, max_k)
+    run = run_engine(ecfg, wave, rates, ec.step, pre)
+    seconds += run.seconds
+    prefill += pre
+    iters += run.iterations
+  acc = acceptance_length if speculative else 1.0
+  return GenResult(seconds=seconds, prefill_s=prefill, decode_s=seconds - prefill, steps=iters,
+                   replicas=replicas, mp=mp, rows_per_replica=rows, slots=slots,
+                   acceptance_length=acc)
+
+
+def expert_parallel(model: ModelSpec, hw: HardwareSpec, gpus: int) -> int:
+  """Expert-parallel group of the learner: experts spread over the GPUs of one NVLink domain
+  (a power of two, at most the expert count)."""
+  ep = 1
+  while ep * 2 <= min(gpus, hw.domain, model.num_experts):
+    ep *= 2
+  return ep
+
+
+def all_to_all_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
+                    workload: Workload, passes: float) -> float:
+  """Expert-parallel token exchange of `passes` forward-equivalents over every token of the
+  step: per MoE layer each token's hidden state goes to its k experts and comes back
+  (dispatch + combine), the (ep-1)/ep share of it leaving the GPU; not overlapped."""
+  if not model.is_moe:
+    return 0.0
+  ep = expert_parallel(model, hw, gpus)
+  if ep == 1:
+    return 0.0
+  tokens = float((workload.prompt_len + _all_lengths(workload)).sum()) / gpus
+  link = (hw.nvlink_bw / 2 if ep <= hw.domain else hw.net_bw) * eff.comm
+  per_layer = 2 * tokens * model.experts_per_token * model.hidden * model.bytes_per_param
+  return passes * model.layers * per_layer * (ep - 1) / ep / link
+
+
 def _forward_flops(model: ModelSpec, workload: Workload) -> float:
   """FLOPs of one forward over every rollout of the step (causal attention included)."""
   seq = workload.prompt_len + _all_lengths(workload)
@@ -144,7 +223,8 @@ def logprob_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
                  workload: Workload, reference: bool = False) -> float:
   """Policy (and optionally reference) forward over all tokens at the fitted MFU."""
   passes = 2 if reference else 1
-  return passes * _forward_flops(model, workload) / (gpus * hw.flops * eff.mfu)
+  return (passes * _forward_flops(model, workload) / (gpus * hw.flops * eff.mfu)
+          + all_to_all_time(model, hw, eff, gpus, workload, passes))
 
 
 def train_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
@@ -156,7 +236,10 @@ def train_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
     head = cost.eagle3_net(model)
     tokens = float((workload.prompt_len + _all_lengths(workload)).sum())
     flops += ttt_steps * 3.0 * head.flops_per_token() * tokens
-  return flops / (gpus * hw.flops * eff.mfu)
+  # forward + backward exchange tokens twice as often as a forward (dispatch/combine and their
+  # gradients)
+  return flops / (gpus * hw.flops * eff.mfu) + all_to_all_time(model, hw, eff, gpus, workload,
+                                                               2.0)
 
 
 def prepare_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int,

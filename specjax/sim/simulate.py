@@ -18,6 +18,7 @@ from specjax.sim.factors import efficiency_for
 from specjax.sim.workload import Workload, get_workload
 
 MODES = ("sync", "async")
+ENGINES = ("vllm", "specjax")  # paged KV + continuous batching, or specjax's bucketed engine
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -46,6 +47,9 @@ class Scenario:
   gen_mp: int | None = None  # GPUs per generation replica; None = fastest layout
   memory_fraction: float = 0.85  # HBM share the generation engine may use
   efficiency: Efficiency | None = None  # None = calibrated factors of `hardware`
+  engine: str = "vllm"
+  adaptive: bool = False  # specjax engine: K per bucket in [0, draft_len] by measured cost
+  min_bucket: int = 8  # specjax engine: smallest live-batch bucket
 
   def __post_init__(self):
     get_model(self.model), get_hardware(self.hardware)
@@ -65,6 +69,10 @@ class Scenario:
            f"must be in (0, 1], got {self.memory_fraction}")
     if self.drafter == "draft-model":
       get_model(self.draft_model)
+    _check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
+    _check(not self.adaptive or self.engine == "specjax", "adaptive",
+           "adaptive draft length needs engine='specjax'")
+    _check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
 
   def replace(self, **kw) -> "Scenario":
     return dataclasses.replace(self, **kw)
@@ -119,11 +127,14 @@ class StepResult:
 def _gen(s: Scenario, gpus: int, mp: int, rows_per_replica: int | None = None
          ) -> phases.GenResult:
   model, hw = get_model(s.model), get_hardware(s.hardware)
-  return phases.generation(
-      model, hw, s.eff, gpus, s.workload, mp=mp, drafter=s.drafter if s.speculative else "none",
-      draft_len=s.draft_len, acceptance_length=s.resolved_acceptance(),
-      draft_model=get_model(s.draft_model) if s.drafter == "draft-model" else None,
-      rows_per_replica=rows_per_replica, memory_fraction=s.memory_fraction)
+  kw = dict(mp=mp, drafter=s.drafter if s.speculative else "none", draft_len=s.draft_len,
+            acceptance_length=s.resolved_acceptance(),
+            draft_model=get_model(s.draft_model) if s.drafter == "draft-model" else None,
+            rows_per_replica=rows_per_replica, memory_fraction=s.memory_fraction)
+  if s.engine == "specjax":
+    return phases.generation_specjax(model, hw, s.eff, gpus, s.workload, adaptive=s.adaptive,
+                                     min_bucket=s.min_bucket, **kw)
+  return phases.generation(model, hw, s.eff, gpus, s.workload, **kw)
 
 
 def _learner(s: Scenario, gpus: int) -> tuple[float, float]:
@@ -235,7 +246,8 @@ class Comparison:
     s = self.scenario
     return {"model": s.model, "hardware": s.hardware, "gpus": s.gpus, "mode": s.mode,
             "policy_lag": s.policy_lag, "drafter": s.drafter, "draft_len": s.draft_len,
-            "workload": s.workload.name, "acceptance_length": self.spec.acceptance_length,
+            "workload": s.workload.name, "engine": s.engine, "adaptive": s.adaptive,
+            "acceptance_length": self.spec.acceptance_length,
             "rollout_speedup": self.rollout_speedup, "step_speedup": self.step_speedup,
             "ar": self.ar.to_dict(), "spec": self.spec.to_dict()}
 

@@ -1,0 +1,224 @@
+"""specjax's own rollout engine as a model: static batch buckets, live-batch compaction, attention
+windows, adaptive draft length per bucket; and the old static engine (full batch, fixed K).
+
+Pure numpy. `run_engine(cfg, lengths, rates, step_cost, prefill_s)` returns the segments the
+engine would run and their seconds; `step_cost(bucket, K, window)` is any per-iteration cost.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from statistics import NormalDist
+from typing import Callable, Sequence
+
+import numpy as np
+
+ARMS = ("ar_static", "ar_compact", "spec_static", "spec_compact", "spec_adaptive")
+_NORMAL = NormalDist()
+
+
+def _check(cond: bool, field: str, msg: str) -> None:
+  if not cond:
+    raise ValueError(f"EngineConfig.{field}: {msg}")
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine runs one rollout batch. `draft_len` is the fixed K of non-adaptive runs
+  (0 = plain AR); adaptive runs pick K in [0, max_draft_len] per bucket. `compact` gathers the
+  live rows into the next smaller power-of-two bucket (>= min_bucket) when they fit; `windowed`
+  attends over [0, W) with W the longest live row + K + 1 rounded up to `window_multiple`."""
+
+  batch: int
+  prompt_len: int
+  max_new: int
+  draft_len: int = 0
+  max_draft_len: int = 4
+  adaptive: bool = False
+  compact: bool = True
+  windowed: bool = True
+  min_bucket: int = 8
+  dp: int = 1  # data-parallel size: every bucket is a multiple of it
+  window_multiple: int = 128
+
+  def __post_init__(self):
+    for f in ("batch", "prompt_len", "max_new", "min_bucket", "dp", "window_multiple"):
+      _check(getattr(self, f) >= 1, f, f"must be >= 1, got {getattr(self, f)}")
+    _check(self.batch % self.dp == 0, "batch", f"{self.batch} must be divisible by dp={self.dp}")
+    _check(0 <= self.draft_len <= self.max_draft_len, "draft_len",
+           f"must be in [0, max_draft_len={self.max_draft_len}], got {self.draft_len}")
+    _check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
+
+  @classmethod
+  def for_arm(cls, arm: str, **kw) -> "EngineConfig":
+    """The configuration of a bench_engine arm name (ar_static, spec_adaptive, ...)."""
+    if arm not in ARMS:
+      raise ValueError(f"EngineConfig.arm: must be one of {ARMS}, got {arm!r}")
+    spec = arm.startswith("spec")
+    k = kw.pop("draft_len", None)
+    if spec and k is None:
+      k = min(3, kw.get("max_draft_len", 4))
+    static = arm.endswith("static")
+    return cls(draft_len=k if spec else 0, adaptive=arm == "spec_adaptive", compact=not static,
+               windowed=not static, **kw)
+
+  @property
+  def cache_size(self) -> int:
+    """Static cache per row: prompt + completion + the K+1 positions a verify writes past it."""
+    return self.prompt_len + self.max_new + self.max_draft_len + 1
+
+  def buckets(self) -> list[int]:
+    """The batch, then powers of two below it down to min_bucket (each a multiple of dp)."""
+    out = [self.batch]
+    b = 2 ** math.floor(math.log2(self.batch))
+    b = b // 2 if b == self.batch else b
+    while b >= max(self.min_bucket, self.dp):
+      if b % self.dp == 0:
+        out.append(b)
+      b //= 2
+    return out
+
+
+def tokens_per_step(rates: Sequence[float], draft_len: int) -> tuple[float, float]:
+  """Mean and variance of tokens committed per row per iteration at K = draft_len, from vLLM
+  cumulative per-position acceptance rates (rates[i] = P(the first i+1 drafts are accepted))."""
+  r = np.concatenate([[1.0], np.asarray(rates, float)[:draft_len], [0.0]])
+  if len(r) < draft_len + 2:
+    raise ValueError(f"tokens_per_step: {len(rates)} acceptance rates given, draft_len "
+                     f"{draft_len} needs {draft_len}")
+  p = r[:-1] - r[1:]  # P(exactly a drafts accepted), a = 0..K
+  tok = np.arange(1, draft_len + 2)
+  mean = float((p * tok).sum())
+  return mean, float((p * tok * tok).sum() - mean * mean)
+
+
+def cumulative_rates(acceptance_length: float, max_draft_len: int, at: int | None = None,
+                     decay: float = 0.8) -> list[float]:
+  """Cumulative per-position rates for max_draft_len drafts whose acceptance length at `at`
+  drafts (default max_draft_len) is `acceptance_length`: conditional rate at position i is
+  first * decay**(i-1) (specjax.sim.workload's model)."""
+  from specjax.sim.workload import rate_for_acceptance
+  at = at or max_draft_len
+  if at == 0 or max_draft_len == 0:
+    return [0.0] * max_draft_len
+  first = rate_for_acceptance(min(acceptance_length, at + 1), at, decay)
+  cond = np.minimum(1.0, first * decay ** np.arange(max_draft_len))
+  return [float(x) for x in np.cumprod(cond)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  bucket: int
+  draft_len: int
+  window: int
+  iterations: int
+  live_rows_start: int
+  seconds: float
+  tokens: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineRun:
+  seconds: float  # prefill + segments
+  prefill_s: float
+  segments: tuple[Segment, ...]
+  k_per_bucket: dict
+
+  @property
+  def iterations(self) -> int:
+    return sum(s.iterations for s in self.segments)
+
+  def to_dict(self) -> dict:
+    return {"rollout_s": self.seconds, "prefill_s": self.prefill_s,
+            "iterations": self.iterations,
+            "k_per_bucket": {str(b): k for b, k in self.k_per_bucket.items()},
+            "segments": [dataclasses.asdict(s) for s in self.segments]}
+
+
+def _scramble(n: int) -> np.ndarray:
+  """A deterministic order of n items that spreads neighbours apart (golden-ratio sequence)."""
+  return np.argsort(np.modf(np.arange(n) * 0.6180339887498949)[0])
+
+
+def effective_lengths(lengths: np.ndarray, mean: float, var: float) -> np.ndarray:
+  """Tokens-equivalent work per row including acceptance noise: a row of L tokens needs
+  L/E +- sqrt(L var / E^3) iterations; rows get evenly spaced normal quantiles in an order
+  unrelated to their length, so the longest rows' tail is that of the whole batch."""
+  n = len(lengths)
+  if var <= 0 or n == 0:
+    return lengths.astype(float)
+  z = np.array([_NORMAL.inv_cdf((i + 0.5) / n) for i in range(n)])[_scramble(n)]
+  return np.maximum(lengths + z * np.sqrt(np.maximum(lengths, 0.0) * var / mean), 1.0)
+
+
+def choose_draft_len(cfg: EngineConfig, bucket: int, window: int, rates, step_cost) -> int:
+  """Adaptive K of a bucket: argmax_K E[tokens per step | K] / cost(bucket, K, window)."""
+  if not cfg.adaptive:
+    return cfg.draft_len
+  best = max(range(cfg.max_draft_len + 1),
+             key=lambda k: tokens_per_step(rates, k)[0] / step_cost(bucket, k, window))
+  return best
+
+
+def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[float],
+               step_cost: Callable[[int, int, int], float], prefill_s: float = 0.0,
+               k_per_bucket: dict | None = None) -> EngineRun:
+  """Segments of one rollout of `cfg.batch` rows with completion lengths `lengths` (tokens,
+  the first sampled by the prefill). Every live row advances the same expected number of tokens
+  per iteration (acceptance noise folded into each row's work, see effective_lengths). A
+  segment ends when the live rows fit the next bucket (compaction) or the window must grow.
+  `k_per_bucket` fixes K per bucket (e.g. as a measured run chose it)."""
+  lengths = np.asarray(lengths, float)
+  if len(lengths) != cfg.batch:
+    raise ValueError(f"run_engine: {len(lengths)} lengths for EngineConfig.batch={cfg.batch}")
+  if len(rates) < cfg.max_draft_len and (cfg.adaptive or cfg.draft_len):
+    raise ValueError(f"run_engine: rates need max_draft_len={cfg.max_draft_len} entries, "
+                     f"got {len(rates)}")
+  work_k = cfg.draft_len if not cfg.adaptive else cfg.max_draft_len
+  fixed = dict(k_per_bucket or {})
+  buckets = cfg.buckets() if cfg.compact else [cfg.batch]
+  # Work per row in committed tokens after the prefill's first one, with acceptance noise.
+  noise_k = fixed.get(cfg.batch, work_k)
+  work = effective_lengths(np.clip(lengths, 1, cfg.max_new) - 1.0,
+                           *tokens_per_step(rates, noise_k))
+  work = np.sort(work)
+  done_tokens = 0.0  # tokens each live row has committed since the prefill
+  segments, chosen = [], {}
+  bi = 0
+  while True:
+    live = int((work > done_tokens + 1e-9).sum())
+    if live == 0:
+      break
+    while cfg.compact and bi + 1 < len(buckets) and live <= buckets[bi + 1]:
+      bi += 1
+    bucket = buckets[bi]
+    longest = cfg.prompt_len + 1 + done_tokens
+    if bucket not in chosen:
+      w0 = _window(cfg, longest, cfg.max_draft_len)
+      chosen[bucket] = fixed.get(bucket, choose_draft_len(cfg, bucket, w0, rates, step_cost))
+    k = chosen[bucket]
+    mean, _ = tokens_per_step(rates, k)
+    window = _window(cfg, longest, k)
+    # iterations until: the live rows fit the next bucket, the window must grow, all done
+    limits = [work[-1]]
+    if cfg.compact and bi + 1 < len(buckets):
+      limits.append(work[len(work) - buckets[bi + 1] - 1])
+    if cfg.windowed and window < cfg.cache_size:
+      limits.append(window - k - 1 - cfg.prompt_len - 1)
+    target = max(min(limits), done_tokens + 1e-6)
+    iters = max(1, math.ceil((target - done_tokens) / mean - 1e-9))
+    step = step_cost(bucket, k, window)
+    new_done = done_tokens + iters * mean
+    tokens = float(np.clip(np.minimum(work, new_done) - done_tokens, 0, None).sum())
+    segments.append(Segment(bucket, k, window, iters, live, iters * step, tokens))
+    done_tokens = new_done
+  total = prefill_s + sum(s.seconds for s in segments)
+  return EngineRun(total, prefill_s, tuple(segments), chosen)
+
+
+def _window(cfg: EngineConfig, longest: float, k: int) -> int:
+  if not cfg.windowed:
+    return cfg.cache_size
+  m = cfg.window_multiple
+  return int(min(cfg.cache_size, m * math.ceil((longest + k + 1) / m)))

@@ -1,0 +1,310 @@
+"""Per-machine calibration of the engine model from specjax's own measurements: forward timings
+(`measure.py`), bench_rollout.py JSON (the old static engine) and bench_engine.py JSON (segments,
+buckets, adaptive K). Fit on some cases, predict the others, report the errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Sequence
+
+import numpy as np
+
+from specjax.sim import calibrate
+from specjax.sim.catalog import HardwareSpec, ModelSpec
+from specjax.sim.cost import Efficiency
+from specjax.sim.engine import EngineConfig, cumulative_rates, run_engine
+from specjax.sim.engine_cost import EngineCost
+
+# A 2-core x86_64 CPU: nominal peaks that the fitted fractions are relative to (2 cores x
+# 2.5 GHz x 2 FMA x 8 fp32 lanes x 2 FLOPs; one DDR4 channel). Domain 1: no model parallelism.
+CPU = HardwareSpec("cpu", flops=160e9, hbm_bw=20e9, hbm_bytes=16e9, nvlink_bw=1e9, net_bw=1e9,
+                   domain=1, link_latency_s=0.0)
+# Start values of a CPU fit: compute and memory traffic do not overlap (overlap_p = 1).
+CPU_START = Efficiency(bw=0.1, kv_bw=0.05, flops=0.2, attn_flops=0.02, step_overhead_s=2e-4,
+                       draft_overhead_s=1e-4, layer_overhead_s=5e-5, logit_s=1e-9, overlap_p=1.0)
+CPU_FIELDS = ("bw", "kv_bw", "flops", "attn_flops", "step_overhead_s", "layer_overhead_s", "logit_s",
+              "draft_overhead_s")
+BOUNDS = {"bw": (1e-3, 1.0), "kv_bw": (1e-4, 1.0), "flops": (1e-3, 1.0), "attn_flops": (1e-4, 1.0),
+          "step_overhead_s": (1e-7, 0.05), "draft_overhead_s": (1e-7, 0.05),
+          "layer_overhead_s": (1e-8, 1e-2), "logit_s": (1e-13, 1e-5)}
+
+
+def _need(d: dict, key: str, where: str):
+  if not isinstance(d, dict) or key not in d:
+    raise ValueError(f"{where}: missing field {key!r}")
+  return d[key]
+
+
+def model_spec(fields: dict, name: str = "measured", where: str = "model") -> ModelSpec:
+  """A ModelSpec from a JSON dict of its fields (`intermediate` defaults to 3 x hidden)."""
+  f = {k: fields[k] for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab",
+                              "intermediate", "tie_embeddings", "bytes_per_param", "kv_bytes")
+       if k in fields}
+  for k in ("hidden", "layers", "heads", "kv_heads", "head_dim", "vocab"):
+    _need(f, k, where)
+  f.setdefault("intermediate", 3 * int(f["hidden"]))
+  f.setdefault("bytes_per_param", 4)
+  f.setdefault("kv_bytes", f["bytes_per_param"])
+  return ModelSpec(name=name, **f)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardCase:
+  """One timed target forward: `tokens` per row at `batch` rows over a `window` cache."""
+
+  name: str
+  model: ModelSpec
+  batch: int
+  tokens: int
+  window: int
+  seconds: float
+  weight: float = 1.0
+  group: str = "forward"
+
+  def predict(self, eff: Efficiency, hw: HardwareSpec = CPU) -> float:
+    return EngineCost(self.model, hw, eff).target_forward(self.batch, self.tokens, self.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCase:
+  """One timed engine iteration (bench_engine's startup calibration)."""
+
+  name: str
+  cost_args: tuple  # (model, draft_model | None, drafter)
+  bucket: int
+  draft_len: int
+  window: int
+  seconds: float
+  weight: float = 1.0
+  group: str = "step"
+
+  def predict(self, eff: Efficiency, hw: HardwareSpec = CPU) -> float:
+    model, draft, drafter = self.cost_args
+    return EngineCost(model, hw, eff, drafter if self.draft_len else "none", draft).step(
+        self.bucket, self.draft_len, self.window)
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutCase:
+  """One timed rollout of a batch by an engine arm; the prediction runs `engine.run_engine`."""
+
+  name: str
+  model: ModelSpec
+  draft_model: ModelSpec | None
+  drafter: str
+  config: EngineConfig
+  lengths: tuple
+  rates: tuple
+  seconds: float
+  k_per_bucket: tuple = ()  # ((bucket, K), ...) as the run chose, for adaptive arms
+  weight: float = 1.0
+  group: str = "rollout"
+
+  def run(self, eff: Efficiency, hw: HardwareSpec = CPU):
+    c = self.config
+    spec = c.draft_len > 0 or c.adaptive
+    ec = EngineCost(self.model, hw, eff, self.drafter if spec else "none", self.draft_model)
+    prefill = ec.prefill(c.batch, c.prompt_len, c.cache_size, c.max_draft_len if spec else 0)
+    return run_engine(c, list(self.lengths), list(self.rates), ec.step, prefill,
+                      dict(self.k_per_bucket) or None)
+
+  def predict(self, eff: Efficiency, hw: HardwareSpec = CPU) -> float:
+    return self.run(eff, hw).seconds
+
+
+def forward_cases(path: str, models: Sequence[str] | None = None) -> list[ForwardCase]:
+  """Cases from a `measure.run_probes` JSON ({"kind": "forward_costs", "models": {...}})."""
+  with open(path) as f:
+    data = json.load(f)
+  if data.get("kind") != "forward_costs":
+    raise ValueError(f"{path}: field 'kind' must be 'forward_costs', got {data.get('kind')!r}")
+  out = []
+  for name, entry in _need(data, "models", path).items():
+    if models is not None and name not in models:
+      continue
+    m = model_spec(_need(entry, "model", f"{path}:models.{name}"), name,
+                   f"{path}:models.{name}.model")
+    for r in _need(entry, "rows", f"{path}:models.{name}"):
+      w = f"{path}:models.{name}.rows"
+      out.append(ForwardCase(f"{name} b={r['batch']} T={r['tokens']} W={r['window']}", m,
+                             int(_need(r, "batch", w)), int(_need(r, "tokens", w)),
+                             int(_need(r, "window", w)), float(_need(r, "seconds", w))))
+  return out
+
+
+def rollout_cases(path: str) -> list[RolloutCase]:
+  """Static-engine rollouts from a bench_rollout.py JSON: AR and draft-model rows (every row
+  decodes max_new tokens: bench_rollout samples no EOS). Other drafters are skipped."""
+  with open(path) as f:
+    data = json.load(f)
+  args = _need(data, "args", path)
+  model = model_spec(_need(data, "model", path), "bench", f"{path}:model")
+  out = []
+  for i, r in enumerate(_need(data, "results", path)):
+    where = f"{path}:results[{i}]"
+    method = _need(r, "method", where)
+    if method not in ("ar", "draft_model"):
+      continue
+    k = int(_need(r, "draft_len", where))
+    batch = int(_need(r, "batch", where))
+    draft = None
+    if method == "draft_model":
+      if not args.get("draft_from_target", True):
+        draft = model_spec({**data["model"], "hidden": args["draft_hidden"],
+                            "layers": args["draft_layers"], "heads": args["draft_heads"],
+                            "kv_heads": 1, "intermediate": 3 * args["draft_hidden"]}, "draft")
+      else:
+        draft = dataclasses.replace(model, name="draft", layers=int(args["draft_layers"]))
+    rates = tuple(r.get("per_position_acceptance_rate") or ())
+    if k and len(rates) < k:
+      rates = tuple(cumulative_rates(float(r.get("acceptance_length", 1.0)), k))
+    cfg = EngineConfig(batch=batch, prompt_len=int(args["prompt_len"]),
+                       max_new=int(args["max_new"]), draft_len=k, max_draft_len=k,
+                       compact=False, windowed=False)
+    lengths = (float(r["tokens"]) / batch,) * batch
+    label = f"{_label(data, path)} {method} K={k}" if k else f"{_label(data, path)} ar"
+    out.append(RolloutCase(label, model, draft, "draft-model" if k else "none", cfg, lengths,
+                           rates, float(_need(r, "seconds", where))))
+  return out
+
+
+def _label(data: dict, path: str) -> str:
+  m, a = data.get("model", {}), data.get("args", {})
+  return (f"d{m.get('hidden')}-l{m.get('layers')}-v{m.get('vocab')} b={a.get('batch')} "
+          f"N={a.get('max_new')}")
+
+
+def quantile_lengths(quantiles: Sequence[float], batch: int) -> np.ndarray:
+  """`batch` lengths from a list of evenly spaced quantiles of the completion lengths
+  (piecewise-linear interpolation, e.g. bench_engine's length_quantiles)."""
+  q = np.asarray(quantiles, float)
+  if q.ndim != 1 or len(q) == 0:
+    raise ValueError("config.length_quantiles: must be a non-empty list of lengths")
+  if len(q) == batch:
+    return np.sort(q)
+  at = (np.arange(batch) + 0.5) / batch
+  return np.interp(at, np.linspace(0, 1, len(q)), np.sort(q))
+
+
+def engine_cases(path: str) -> tuple[list[StepCase], list[RolloutCase]]:
+  """Startup-calibration steps and arm rollouts from a bench_engine.py JSON (schema in
+  docs/SIMULATOR.md). Arms name their engine (ar_static, ar_compact, spec_static,
+  spec_compact, spec_adaptive); spec arms draft with the JSON's calibration drafter."""
+  with open(path) as f:
+    data = json.load(f)
+  cfgj = _need(data, "config", path)
+  where = f"{path}:config"
+  model = model_spec(cfgj, "engine", where)
+  batch = int(_need(cfgj, "batch", where))
+  prompt_len = int(_need(cfgj, "prompt_len", where))
+  max_new = int(_need(cfgj, "max_new", where))
+  max_k = int(_need(cfgj, "max_draft_len", where))
+  lengths = quantile_lengths(_need(cfgj, "length_quantiles", where), batch)
+  calib = _need(data, "calibration", path)
+  drafter = str(calib.get("drafter", "draft-model"))
+  drafter, draft = _engine_drafter(drafter, cfgj, model)
+  extra = {k: int(cfgj[k]) for k in ("min_bucket", "dp", "window_multiple") if k in cfgj}
+  cache = prompt_len + max_new + max_k + 1
+  steps = []
+  for i, r in enumerate(_need(calib, "rows", f"{path}:calibration")):
+    w = f"{path}:calibration.rows[{i}]"
+    steps.append(StepCase(f"calib b={r['bucket']} K={r['draft_len']}", (model, draft, drafter),
+                          int(_need(r, "bucket", w)), int(_need(r, "draft_len", w)),
+                          int(r.get("window", cache)), float(_need(r, "step_s", w))))
+  rollouts = []
+  for arm, a in _need(data, "arms", path).items():
+    w = f"{path}:arms.{arm}"
+    base = arm if arm in ("ar_static", "ar_compact", "spec_static", "spec_adaptive") else (
+        "spec_compact" if arm.startswith("spec") else "ar_compact")
+    segs = a.get("segments") or []
+    k_fixed = max((s.get("draft_len", 0) for s in segs), default=3) if base != "spec_adaptive" \
+        else None
+    kw = dict(batch=batch, prompt_len=prompt_len, max_new=max_new, max_draft_len=max_k, **extra)
+    if base.startswith("spec") and base != "spec_adaptive":
+      kw["draft_len"] = max(1, min(k_fixed or 3, max_k))
+    cfg = EngineConfig.for_arm(base, **kw)
+    acc = float(a.get("acceptance_length", 1.0))
+    rates = tuple(cumulative_rates(acc, max_k, at=_at(a, cfg, max_k))) if max_k else ()
+    kpb = tuple((int(b), int(k)) for b, k in (a.get("k_per_bucket") or {}).items())
+    rollouts.append(RolloutCase(f"engine {arm}", model, draft, drafter, cfg, tuple(lengths),
+                                rates, float(_need(a, "rollout_s", w)),
+                                kpb if cfg.adaptive else ()))
+  return steps, rollouts
+
+
+def _at(arm: dict, cfg: EngineConfig, max_k: int) -> int:
+  """The K at which an arm's acceptance length was measured: the token-weighted K of its
+  segments (fixed K arms: that K)."""
+  segs = [s for s in arm.get("segments") or [] if s.get("draft_len", 0) > 0]
+  if not segs:
+    return cfg.draft_len or max_k
+  tot = sum(s.get("tokens", 1) for s in segs)
+  k = sum(s["draft_len"] * s.get("tokens", 1) for s in segs) / max(tot, 1)
+  return max(1, min(max_k, round(k)))
+
+
+def _engine_drafter(name: str, cfgj: dict, model: ModelSpec):
+  name = name.replace("_", "-")
+  if name in ("draft-model", "truncated", "draft"):
+    layers = int(cfgj.get("draft_layers", 1))
+    return "draft-model", dataclasses.replace(model, name="draft", layers=layers)
+  if name in ("eagle3", "mtp"):
+    return name, None
+  raise ValueError(f"calibration.drafter: must be draft_model, eagle3 or mtp, got {name!r}")
+
+
+def fit(cases: Sequence, start: Efficiency = CPU_START, fields: Sequence[str] = CPU_FIELDS,
+        hw: HardwareSpec = CPU, ridge: float = 1e-4) -> Efficiency:
+  """Levenberg-Marquardt on log factors (calibrate.fit_efficiency) for machine cases."""
+  wrapped = [_OnHardware(c, hw) for c in cases]
+  return calibrate.fit_efficiency(wrapped, start, fields, ridge=ridge, iters=60,
+                                  bounds={**calibrate.BOUNDS, **BOUNDS})
+
+
+@dataclasses.dataclass(frozen=True)
+class _OnHardware:
+  case: object
+  hw: HardwareSpec
+
+  @property
+  def seconds(self):
+    return self.case.seconds
+
+  @property
+  def weight(self):
+    return self.case.weight
+
+  def predict(self, eff):
+    return self.case.predict(eff, self.hw)
+
+
+def errors(cases: Sequence, eff: Efficiency, hw: HardwareSpec = CPU) -> list[dict]:
+  """Measured vs predicted per case, with the relative error."""
+  out = []
+  for c in cases:
+    p = c.predict(eff, hw)
+    out.append({"case": c.name, "group": c.group, "measured_s": c.seconds, "predicted_s": p,
+                "error": p / c.seconds - 1.0})
+  return out
+
+
+def summary(rows: Sequence[dict]) -> dict:
+  """Median and max absolute relative error of a list of `errors` rows."""
+  e = np.abs([r["error"] for r in rows])
+  return {"n": len(rows), "median_abs_error": float(np.median(e)) if len(e) else math.nan,
+          "max_abs_error": float(e.max()) if len(e) else math.nan}
+
+
+def efficiency_dict(eff: Efficiency) -> dict:
+  return dataclasses.asdict(eff)
+
+
+def efficiency_from_dict(d: dict) -> Efficiency:
+  known = {f.name for f in dataclasses.fields(Efficiency)}
+  bad = set(d) - known
+  if bad:
+    raise ValueError(f"efficiency: unknown fields {sorted(bad)}")
+  return Efficiency(**d)
