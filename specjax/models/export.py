@@ -11,6 +11,7 @@ import os
 import shutil
 import tempfile
 import warnings
+from typing import Callable
 
 from specjax.models.config import DTYPES
 from specjax.models.decoder import Decoder
@@ -60,11 +61,7 @@ def export_hf(model: Decoder, out_dir: str, source_dir: str | None = None,
   `source_dir`. An existing non-empty `out_dir` is an error unless overwrite=True; the directory
   appears whole or not at all.
   """
-  out_dir = os.path.abspath(out_dir)
-  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-    raise FileExistsError(f"export_hf: {out_dir} exists and is not empty (pass overwrite=True)")
-  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-    raise FileExistsError(f"export_hf: {out_dir} exists and is not a directory")
+  out_dir = _check_target(out_dir, overwrite, "export_hf")
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"export_hf: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
   config = _source_config(model, source_dir) if source_dir else config_to_hf(model.cfg)
@@ -83,16 +80,37 @@ def export_hf(model: Decoder, out_dir: str, source_dir: str | None = None,
     warnings.warn(f"export_hf: {source_dir} ships MTP weights ({source_layout} layout) but the "
                   "policy has no MTP module (loaded with mtp=False); they are not exported")
 
+  return write_dir_atomically(
+      out_dir, lambda tmp: save_pretrained(model, tmp, max_shard_bytes=max_shard_bytes,
+                                           tokenizer_from=source_dir,
+                                           mtp_layout=mtp_layout or "deepseek", dtype=dtype,
+                                           config=config),
+      overwrite=overwrite, who="export_hf")
+
+
+def _check_target(out_dir: str, overwrite: bool, who: str) -> str:
+  out_dir = os.path.abspath(out_dir)
+  if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    raise FileExistsError(f"{who}: {out_dir} exists and is not a directory")
+  if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
+    raise FileExistsError(f"{who}: {out_dir} exists and is not empty (pass overwrite=True)")
+  return out_dir
+
+
+def write_dir_atomically(out_dir: str, write: Callable[[str], object], *, overwrite: bool = False,
+                         who: str = "write") -> str:
+  """Calls `write(tmp)` on a fresh sibling directory of `out_dir`, then renames it into place
+  (replacing an existing `out_dir` only with overwrite=True). Returns the absolute path."""
+  out_dir = _check_target(out_dir, overwrite, who)
   parent = os.path.dirname(out_dir)
   os.makedirs(parent, exist_ok=True)
   tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
   try:
-    save_pretrained(model, tmp, max_shard_bytes=max_shard_bytes, tokenizer_from=source_dir,
-                    mtp_layout=mtp_layout or "deepseek", dtype=dtype, config=config)
+    write(tmp)
     os.chmod(tmp, 0o755)
     if os.path.isdir(out_dir):
       old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
-      os.rename(out_dir, os.path.join(old, "x"))
+      os.rename(out_dir, os.path.join(old, "prev"))
       os.rename(tmp, out_dir)
       shutil.rmtree(old)
     else:
@@ -103,4 +121,4 @@ def export_hf(model: Decoder, out_dir: str, source_dir: str | None = None,
   return out_dir
 
 
-__all__ = ["export_hf"]
+__all__ = ["export_hf", "write_dir_atomically"]

@@ -1,21 +1,23 @@
-"""Local math datasets (JSONL or parquet) in the GSM8K and DAPO-Math formats, as an RL task.
+"""Local math datasets in the GSM8K and DAPO-Math formats, as an RL task.
 
+Sources (read with the `datasets` library, see `hf_datasets.py`): JSON/JSONL or parquet files, a
+`save_to_disk` directory, a directory of data files, or a hub cache repository (datasets--*).
 GSM8K rows: {"question": str, "answer": "... #### 72"}. DAPO-Math-17k rows: {"prompt": [{"role",
 "content"}, ...] (or a string), "reward_model": {"ground_truth": str}}. Prompts go through the
-tokenizer's chat template when it has one (jinja2); otherwise through `FALLBACK_TEMPLATE`.
+tokenizer's chat template (jinja2); a tokenizer directory without one is an error unless the
+template was chosen explicitly ("none": `FALLBACK_TEMPLATE`) or TaskConfig.chat_template is False.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 from typing import Any, Iterator
 
 import numpy as np
 
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example, Score, Task
+from specjax.rl.tasks.hf_datasets import columns, open_dataset
 from specjax.rl.tasks.rewards import extract_answer, math_verify_reward
 
 # Used when the tokenizer has no chat template (or TaskConfig.chat_template is False): plain
@@ -31,24 +33,29 @@ class MathRow:
   where: str  # "file:line" of the source row
 
 
-def iter_rows(path: str) -> Iterator[tuple[str, Any]]:
-  """(where, row) for every row of a .jsonl/.json-lines or .parquet file."""
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"math dataset: {path} does not exist")
-  if path.endswith(".parquet"):
-    import pyarrow.parquet as pq
+def iter_rows(path: str, split: str = "train",
+              cache_dir: str | None = None) -> Iterator[tuple[str, Any]]:
+  """(where, row) for every row of a dataset file or directory (see `hf_datasets.open_dataset`)."""
+  ds, source = open_dataset(path, split, cache_dir)
+  for i, row in enumerate(ds, 1):
+    yield f"{source}:{i}", row
 
-    for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
-      yield f"{path}:{i}", row
+
+REQUIRED_COLUMNS = {"gsm8k": ("question", "answer"), "dapo": ("prompt", "reward_model")}
+
+
+def check_columns(present, fmt: str, source: str) -> None:
+  """A clear error, naming the source and the columns it has, when `fmt`'s columns are absent."""
+  present = sorted(present)
+  if fmt == "auto":
+    if "question" not in present and "prompt" not in present:
+      raise ValueError(f"{source}: missing column 'question' (GSM8K) or 'prompt' (DAPO); "
+                       f"columns present: {present}")
     return
-  with open(path, encoding="utf-8") as f:
-    for i, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        yield f"{path}:{i}", json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+  for name in REQUIRED_COLUMNS.get(fmt, ()):
+    if name not in present:
+      raise ValueError(f"{source}: missing column {name!r} ({fmt} format needs "
+                       f"{list(REQUIRED_COLUMNS[fmt])}); columns present: {present}")
 
 
 def _field(row: Any, dotted: str, where: str) -> Any:
@@ -70,8 +77,9 @@ def parse_row(row: Any, fmt: str, where: str, instruction: str = "",
               system_prompt: str = "") -> MathRow:
   if not isinstance(row, dict):
     raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-  if fmt == "auto":
-    fmt = "gsm8k" if "question" in row else "dapo" if "prompt" in row else None
+  if fmt == "auto":  # columnar sources fill a row's absent fields with None
+    fmt = "gsm8k" if row.get("question") is not None else \
+        "dapo" if row.get("prompt") is not None else None
     if fmt is None:
       raise ValueError(f"{where}: missing field 'question' (GSM8K) or 'prompt' (DAPO)")
   if fmt == "gsm8k":
@@ -101,9 +109,15 @@ def parse_row(row: Any, fmt: str, where: str, instruction: str = "",
 
 
 def load_math_dataset(path: str, fmt: str = "auto", instruction: str = "",
-                      system_prompt: str = "") -> list[MathRow]:
-  """Every row of `path`; a malformed row raises ValueError naming `file:line`."""
-  return [parse_row(row, fmt, where, instruction, system_prompt) for where, row in iter_rows(path)]
+                      system_prompt: str = "", *, split: str = "train",
+                      cache_dir: str | None = None) -> list[MathRow]:
+  """Every row of the dataset at `path` (a file or a directory, `split` of a multi-split one);
+  missing columns raise ValueError naming the source and the columns present, a malformed row
+  names `file:row`. `cache_dir`: where `datasets` keeps its Arrow cache (default: its own)."""
+  ds, source = open_dataset(path, split, cache_dir)
+  check_columns(columns(ds), fmt, source)
+  return [parse_row(row, fmt, f"{source}:{i}", instruction, system_prompt)
+          for i, row in enumerate(ds, 1)]
 
 
 def render_chat(messages, template: str | None, tokenizer=None) -> str:
@@ -132,6 +146,13 @@ def render_chat(messages, template: str | None, tokenizer=None) -> str:
   return env.from_string(template or FALLBACK_TEMPLATE).render(**ctx)
 
 
+def chat_template_of(tokenizer) -> str | None:
+  """The tokenizer's chat template; an HF tokenizer without one (and no explicit choice) raises,
+  naming its directory. Tokenizers with no notion of templates (CharTokenizer) give None."""
+  require = getattr(tokenizer, "require_chat_template", None)
+  return require() if require is not None else getattr(tokenizer, "chat_template", None)
+
+
 class MathDatasetTask(Task):
   """Rows of `cfg.path` in a fresh random order every epoch; validation from `cfg.val_path` or,
   without one, the last `cfg.val_size` rows held out of training."""
@@ -152,7 +173,7 @@ class MathDatasetTask(Task):
     if not rows:
       raise ValueError(f"TaskConfig.path: {cfg.path} has no training rows")
     self.rows = rows
-    self.template = getattr(tokenizer, "chat_template", None) if cfg.chat_template else None
+    self.template = chat_template_of(tokenizer) if cfg.chat_template else None
     self._perm: dict[int, np.ndarray] = {}
 
   def _example(self, row: MathRow) -> Example:
