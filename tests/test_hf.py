@@ -14,6 +14,7 @@ from safetensors.numpy import load_file, save_file
 
 from specjax.models.hf import (config_from_hf, load_pretrained, load_tokenizer, save_pretrained,
                                tensor_specs)
+from specjax.models.tokenizer import MissingChatTemplateError
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 QWEN3 = os.path.join(FIXTURES, "qwen3_tiny")
@@ -90,7 +91,7 @@ def test_config_overrides_replace_fields():
 
 def test_tokenizer_encodes_the_reference_prompt():
   for path in (QWEN3, LLAMA):
-    tok = load_tokenizer(path)
+    tok = load_tokenizer(path, require_chat_template=False)
     with open(os.path.join(path, "input_text.txt")) as f:
       text = f.read()
     ids = tok.encode(text)
@@ -123,7 +124,8 @@ def test_device_put_receives_every_parameter_with_its_logical_axes():
 
 
 def test_mtp_override_adds_a_fresh_mtp_module(models):
-  model = load_pretrained(QWEN3, mtp=True)
+  with pytest.warns(UserWarning, match="ships no MTP weights"):
+    model = load_pretrained(QWEN3, mtp=True)
   assert model.cfg.mtp and model.mtp is not None
   np.testing.assert_array_equal(model.embed.get_value(), models[QWEN3].embed.get_value())
 
@@ -195,3 +197,122 @@ def test_unexpected_tensors_are_rejected(tmp_path):
   path = _broken_copy(LLAMA, tmp_path, lambda c: c.update(num_hidden_layers=1))
   with pytest.raises(ValueError, match=r"model\.layers\.1\."):
     load_pretrained(path)
+
+
+# -- chat templates as transformers writes them ---------------------------------------------------
+
+def _tokenizer_dir(tmp_path, files):
+  dst = tmp_path / "tok"
+  dst.mkdir()
+  shutil.copy(os.path.join(LLAMA, "tokenizer.json"), dst / "tokenizer.json")
+  for name, text in files.items():
+    (dst / name).write_text(text)
+  return str(dst)
+
+
+def test_chat_template_is_read_from_chat_template_jinja_as_transformers_5_saves_it():
+  tok = load_tokenizer(QWEN3)
+  assert tok.chat_template.startswith("{% for m in messages %}<|im_start|>")
+  assert tok.chat_template_source.endswith("chat_template.jinja")
+
+
+@pytest.mark.parametrize("files,want", [
+    ({"chat_template.jinja": "J{{ 1 }}", "tokenizer_config.json": '{"chat_template": "C"}'}, "J"),
+    ({"chat_template.json": '{"chat_template": "S{{ 1 }}"}'}, "S"),
+    ({"tokenizer_config.json": '{"chat_template": "C{{ 1 }}"}'}, "C"),
+    ({"tokenizer_config.json": '{"chat_template": [{"name": "tool", "template": "T"}, '
+                               '{"name": "default", "template": "D{{ 1 }}"}]}'}, "D"),
+], ids=["jinja-first", "json", "tokenizer-config", "named-list"])
+def test_chat_template_sources_in_transformers_order(tmp_path, files, want):
+  assert load_tokenizer(_tokenizer_dir(tmp_path, files)).chat_template[0] == want
+
+
+def test_a_missing_chat_template_is_an_error_naming_the_directory(tmp_path):
+  path = _tokenizer_dir(tmp_path, {"tokenizer_config.json": '{"eos_token": "<eos>"}'})
+  with pytest.raises(MissingChatTemplateError, match=f"{path}: no chat template.*chat_template"):
+    load_tokenizer(path)
+
+
+def test_an_explicit_chat_template_choice_replaces_the_directorys(tmp_path):
+  path = _tokenizer_dir(tmp_path, {})
+  none = load_tokenizer(path, chat_template="none")
+  assert none.chat_template is None and none.chat_template_source == "none"
+  assert load_tokenizer(path, chat_template="{{ messages }}").chat_template == "{{ messages }}"
+  (tmp_path / "t.jinja").write_text("F{{ x }}")
+  assert load_tokenizer(path, chat_template=str(tmp_path / "t.jinja")).chat_template == "F{{ x }}"
+  with pytest.raises(ValueError, match="not 'none', not an existing file"):
+    load_tokenizer(path, chat_template="plain words")
+
+
+# -- native MTP weights ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def mtp_model():
+  with pytest.warns(UserWarning, match="ships no MTP weights.*freshly initialised"):
+    return load_pretrained(QWEN3, mtp=True, seed=3)
+
+
+def _mtp_logits(model, ids):
+  ids = jnp.asarray(ids)
+  return np.asarray(model.mtp_forward(model(ids).hidden, ids).logits)
+
+
+@pytest.mark.parametrize("layout", ["deepseek", "qwen3_next", "mimo"])
+def test_mtp_weights_round_trip_in_each_checkpoint_layout(mtp_model, tmp_path, layout):
+  save_pretrained(mtp_model, str(tmp_path), tokenizer_from=QWEN3, mtp_layout=layout)
+  names = set(load_file(str(tmp_path / "model.safetensors")))
+  first = {"deepseek": "model.layers.3.eh_proj.weight", "qwen3_next": "mtp.fc.weight",
+           "mimo": "model.mtp_layers.0.input_proj.weight"}[layout]
+  assert first in names
+  back = load_pretrained(str(tmp_path), mtp=True)
+  ids = np.load(os.path.join(QWEN3, "input_ids.npy"))
+  np.testing.assert_array_equal(_mtp_logits(back, ids), _mtp_logits(mtp_model, ids))
+
+
+def test_mtp_layouts_follow_each_models_conventions(mtp_model, tmp_path):
+  """Written by hand from the DeepSeek-V3 layout: Qwen3-Next renames (mtp.fc on concat(embed,
+  hidden)); MiMo renames and puts the hidden state first in input_proj's input."""
+  save_pretrained(mtp_model, str(tmp_path / "ds"), mtp_layout="deepseek")
+  tensors = load_file(str(tmp_path / "ds" / "model.safetensors"))
+  ds = {k[len("model.layers.3."):]: tensors.pop(k) for k in list(tensors)
+        if k.startswith("model.layers.3.")}
+  pieces = {"enorm.weight": ("mtp.pre_fc_norm_embedding.weight",
+                             "model.mtp_layers.0.token_layernorm.weight"),
+            "hnorm.weight": ("mtp.pre_fc_norm_hidden.weight",
+                             "model.mtp_layers.0.hidden_layernorm.weight"),
+            "eh_proj.weight": ("mtp.fc.weight", "model.mtp_layers.0.input_proj.weight"),
+            "shared_head.norm.weight": ("mtp.norm.weight",
+                                        "model.mtp_layers.0.final_layernorm.weight")}
+  ids = np.load(os.path.join(QWEN3, "input_ids.npy"))
+  want = _mtp_logits(mtp_model, ids)
+  for which, layer_prefix in ((0, "mtp.layers.0."), (1, "model.mtp_layers.0.")):
+    out = dict(tensors)
+    for name, value in ds.items():
+      if name in pieces:
+        if which == 1 and name == "eh_proj.weight":  # [d, 2d] columns: (hidden, embed)
+          value = np.concatenate([value[:, 64:], value[:, :64]], axis=1)
+        out[pieces[name][which]] = value
+      else:
+        out[layer_prefix + name] = value
+    dst = tmp_path / f"hand{which}"
+    shutil.copytree(tmp_path / "ds", dst)
+    save_file(out, str(dst / "model.safetensors"))
+    np.testing.assert_array_equal(_mtp_logits(load_pretrained(str(dst), mtp=True), ids), want)
+
+
+def test_mtp_weights_are_left_unread_without_mtp_and_extras_are_reported(mtp_model, tmp_path):
+  save_pretrained(mtp_model, str(tmp_path / "m"), mtp_layout="deepseek")
+  assert load_pretrained(str(tmp_path / "m")).mtp is None
+  tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+  tensors["model.layers.4.enorm.weight"] = np.ones(64, np.float32)  # a second MTP layer
+  tensors["model.layers.4.eh_proj.weight"] = np.ones((64, 128), np.float32)
+  tensors["model.layers.3.embed_tokens.weight"] = np.zeros((160, 64), np.float32)
+  save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+  with pytest.warns(UserWarning) as record:
+    load_pretrained(str(tmp_path / "m"), mtp=True)
+  messages = " | ".join(str(w.message) for w in record)
+  assert "only the first MTP layer" in messages and "embed_tokens.weight differs" in messages
+  tensors["model.layers.3.mlp.experts.0.up_proj.weight"] = np.ones((4, 4), np.float32)
+  save_file(tensors, str(tmp_path / "m" / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"no place in specjax's MTP module.*experts"):
+    load_pretrained(str(tmp_path / "m"), mtp=True)

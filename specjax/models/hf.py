@@ -228,17 +228,20 @@ def mtp_specs(cfg: ModelConfig, layout: str = "deepseek") -> list[TensorSpec]:
 def detect_mtp_layout(names, cfg: ModelConfig) -> str | None:
   """The MTP layout of a checkpoint's tensor names, or None when it ships no MTP weights."""
   found = [layout for layout in MTP_LAYOUTS
-           if any(n.startswith(_mtp_prefix(cfg, layout)) for n in names)]
+           if _mtp_prefix(cfg, layout) + MTP_LAYOUTS[layout][1][2] + ".weight" in names]
   if len(found) > 1:
     raise ValueError(f"checkpoint has MTP tensors in several layouts: {found}")
   return found[0] if found else None
 
 
-def _is_mtp(name: str, cfg: ModelConfig) -> bool:
-  """Whether `name` belongs to any MTP layer (first or later) of any layout."""
-  prefixes = [_mtp_prefix(cfg, lay) for lay in MTP_LAYOUTS] + ["model.mtp_layers."]
-  return any(name.startswith(p) for p in prefixes) or any(
-      name.startswith(f"model.layers.{i}.") for i in range(cfg.num_layers, cfg.num_layers + 8))
+def _is_mtp(name: str, cfg: ModelConfig, names) -> bool:
+  """Whether `name` belongs to any MTP layer (first or later) of any layout; a DeepSeek-V3 layer
+  past the decoder's counts only when it has its eh_proj (else config and weights disagree)."""
+  if name.startswith(("mtp.", "model.mtp_layers.")):
+    return True
+  parts = name.split(".")
+  return (len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+          and int(parts[2]) >= cfg.num_layers and f"model.layers.{parts[2]}.eh_proj.weight" in names)
 
 
 def _variable(model: Decoder, path) -> nnx.Variable:
@@ -307,7 +310,7 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
                    + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
   expected = {s.name for s in specs}
   unexpected = sorted(n for n in files if n not in expected and not _ignorable(n, cfg)
-                      and not _is_mtp(n, cfg))
+                      and not _is_mtp(n, cfg, files))
   if unexpected:
     raise ValueError(f"{path}: tensors with no place in the {cfg.num_layers}-layer decoder: "
                      f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
@@ -355,7 +358,7 @@ def _check_mtp_names(path: str, files: dict[str, str], cfg: ModelConfig, layout:
   if extra:
     raise ValueError(f"{path}: MTP tensors ({layout} layout) with no place in specjax's MTP module "
                      f"(one dense decoder layer): {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-  further = sorted(n for n in files if _is_mtp(n, cfg) and not n.startswith(pre))
+  further = sorted(n for n in files if _is_mtp(n, cfg, files) and not n.startswith(pre))
   if further:
     warnings.warn(f"{path}: only the first MTP layer is imported; {len(further)} tensors of "
                   f"further MTP layers are not read (e.g. {further[0]!r})")
