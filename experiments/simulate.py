@@ -4,6 +4,10 @@
       --mode sync --draft eagle3 --draft-len 3 --acceptance-length 3.0 [--json]
   python experiments/simulate.py --sweep draft-len|gpus [--out runs/sim/]
   python experiments/simulate.py --calibrate [--bench-json run.json ...]
+  python experiments/simulate.py --advise --model qwen3-8b --hardware h100 --gpus 8 [--engine specjax]
+  python experiments/simulate.py --measure-forwards out.json [--probe-models d128-l4-v256,...]
+  python experiments/simulate.py --validate-cpu --forward-json f.json --fit-models m1,m2 \
+      --rollout-json r.json ... --fit-rollout r1.json [--engine-json e.json] [--plot p.png]
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specjax.sim import calibrate, catalog, phases, report  # noqa: E402
-from specjax.sim.simulate import MODES, Scenario, compare  # noqa: E402
+from specjax.sim import advise, calibrate, catalog, machine_fit, phases, report  # noqa: E402
+from specjax.sim.simulate import ENGINES, MODES, Scenario, compare  # noqa: E402
 from specjax.sim.workload import WORKLOADS  # noqa: E402
 
 
@@ -57,6 +61,33 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--calibrate", action="store_true",
                  help="fit efficiency factors to the paper's cases (+ --bench-json)")
   p.add_argument("--bench-json", action="append", default=[])
+  p.add_argument("--engine", choices=ENGINES, default="vllm",
+                 help="rollout engine model: vLLM-like or specjax's bucketed engine")
+  p.add_argument("--adaptive", action="store_true",
+                 help="specjax engine: K per bucket in [0, --draft-len] by cost")
+  p.add_argument("--min-bucket", type=int, default=8)
+  p.add_argument("--advise", action="store_true",
+                 help="recommend drafter, K (or adaptive), sync vs async with policy lag")
+  p.add_argument("--max-lag", type=int, default=2, help="--advise: largest policy lag to try")
+  p.add_argument("--drafters", default="eagle3,draft-model,ngram",
+                 help="--advise: drafters to consider (mtp only if the model has the head)")
+  p.add_argument("--drafter-acceptance", action="append", default=[],
+                 help="--advise: DRAFTER=LENGTH, acceptance length at the workload's K")
+  v = p.add_argument_group("CPU calibration and validation (specjax's own measurements)")
+  v.add_argument("--measure-forwards", default=None, metavar="OUT",
+                 help="time target forwards of the probe models on this machine (imports jax)")
+  v.add_argument("--probe-models", default=None, help="comma-separated measure.PROBE_MODELS")
+  v.add_argument("--validate-cpu", action="store_true",
+                 help="fit the CPU factors on some cases, report errors on held-out ones")
+  v.add_argument("--forward-json", action="append", default=[])
+  v.add_argument("--fit-models", default="", help="probe models whose forwards are fitted")
+  v.add_argument("--rollout-json", action="append", default=[],
+                 help="bench_rollout.py JSON (held out unless also --fit-rollout)")
+  v.add_argument("--fit-rollout", action="append", default=[])
+  v.add_argument("--engine-json", action="append", default=[],
+                 help="bench_engine.py JSON: startup calibration rows are fitted, arms held out")
+  v.add_argument("--plot", default=None, help="predicted-vs-measured PNG")
+  v.add_argument("--save", default=None, help="write the validation JSON here")
   return p.parse_args(argv)
 
 
@@ -71,7 +102,8 @@ def build_scenario(a: argparse.Namespace) -> Scenario:
                   draft_len=a.draft_len, acceptance_length=a.acceptance_length,
                   draft_model=a.draft_model, online_draft=a.online_draft,
                   reference_logprob=a.reference_logprob, workload=workload, gen_mp=a.gen_mp,
-                  memory_fraction=a.memory_fraction)
+                  memory_fraction=a.memory_fraction, engine=a.engine,
+                  adaptive=a.adaptive, min_bucket=a.min_bucket)
 
 
 def run_calibration(a: argparse.Namespace) -> dict:
@@ -112,11 +144,81 @@ def run_sweep(a: argparse.Namespace, s: Scenario) -> dict:
   return {"sweep": key, "plot": plot, "rows": [c.to_dict() for c in rows]}
 
 
+def run_validation(a: argparse.Namespace) -> dict:
+  fit_models = [m for m in a.fit_models.split(",") if m]
+  fit_cases, held = [], []
+  for path in a.forward_json:
+    for c in machine_fit.forward_cases(path):
+      (fit_cases if c.name.split(" ")[0] in fit_models else held).append(c)
+  for path in a.fit_rollout:
+    fit_cases += machine_fit.rollout_cases(path)
+  for path in a.rollout_json:
+    if path not in a.fit_rollout:
+      held += machine_fit.rollout_cases(path)
+  for path in a.engine_json:
+    steps, arms = machine_fit.engine_cases(path)
+    fit_cases += steps
+    held += arms
+  if not fit_cases:
+    raise SystemExit("--validate-cpu: no fit cases (give --forward-json with --fit-models, "
+                     "--fit-rollout or --engine-json)")
+  out = machine_fit.validate(fit_cases, held)
+  out["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+  if not a.json:
+    print("fitted CPU factors:")
+    for k, v in out["efficiency"].items():
+      print(f"  {k} = {v}")
+    print("\n| split | case | measured (s) | predicted (s) | error |\n|---|---|---:|---:|---:|")
+    for r in out["rows"]:
+      if r["group"] != "forward":
+        print(f"| {r['split']} | {r['case']} | {r['measured_s']:.4g} | {r['predicted_s']:.4g} | "
+              f"{100 * r['error']:+.1f}% |")
+    print(f"fit: {out['fit']}\nheld out: {out['held_out']}\nby group: "
+          f"{out['held_out_by_group']}")
+  if a.plot:
+    report.validation_plot(out["rows"], a.plot, "specjax on CPU: predicted vs measured")
+  if a.save:
+    os.makedirs(os.path.dirname(os.path.abspath(a.save)), exist_ok=True)
+    with open(a.save, "w") as f:
+      json.dump(out, f, indent=1)
+  return out
+
+
+def run_advice(a: argparse.Namespace, s: Scenario) -> dict:
+  given = {}
+  for item in a.drafter_acceptance:
+    name, _, val = item.partition("=")
+    if name not in phases.DRAFTERS or not val:
+      raise SystemExit(f"--drafter-acceptance: expected DRAFTER=LENGTH with DRAFTER in "
+                       f"{phases.DRAFTERS}, got {item!r}")
+    given[name] = float(val)
+  drafters = tuple(d for d in a.drafters.split(",") if d)
+  for d in drafters:
+    if d not in phases.DRAFTERS or d == "none":
+      raise SystemExit(f"--drafters: {d!r} is not one of {phases.DRAFTERS[1:]}")
+  out = advise.advise(s, drafters=drafters, max_lag=a.max_lag, acceptance=given)
+  if not a.json:
+    print(advise.advice_text(out))
+  return out
+
+
 def main(argv=None) -> int:
   a = parse_args(argv)
   for path in a.catalog:
     catalog.load_catalog(path)
-  if a.calibrate:
+  if a.measure_forwards:
+    from specjax.sim import measure  # jax, only here
+    names = a.probe_models.split(",") if a.probe_models else list(measure.PROBE_MODELS)
+    out = measure.run_probes(names)
+    out["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+    with open(a.measure_forwards, "w") as f:
+      json.dump(out, f, indent=1)
+    return 0
+  if a.validate_cpu:
+    out = run_validation(a)
+  elif a.advise:
+    out = run_advice(a, build_scenario(a))
+  elif a.calibrate:
     out = run_calibration(a)
   else:
     s = build_scenario(a)

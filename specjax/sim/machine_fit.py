@@ -308,3 +308,18 @@ def efficiency_from_dict(d: dict) -> Efficiency:
   if bad:
     raise ValueError(f"efficiency: unknown fields {sorted(bad)}")
   return Efficiency(**d)
+
+
+def validate(fit_cases: Sequence, heldout: Sequence, start: Efficiency = CPU_START,
+             fields: Sequence[str] = CPU_FIELDS, hw: HardwareSpec = CPU) -> dict:
+  """Fit on `fit_cases`, predict `heldout`; both error tables and their summaries."""
+  eff = fit(fit_cases, start, fields, hw)
+  fit_rows = [dict(r, split="fit") for r in errors(fit_cases, eff, hw)]
+  held_rows = [dict(r, split="held-out") for r in errors(heldout, eff, hw)]
+  by_group = {}
+  for r in held_rows:
+    by_group.setdefault(r["group"], []).append(r)
+  return {"efficiency": efficiency_dict(eff), "fit": summary(fit_rows),
+          "held_out": summary(held_rows),
+          "held_out_by_group": {g: summary(rs) for g, rs in by_group.items()},
+          "rows": fit_rows + held_rows}

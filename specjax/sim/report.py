@@ -94,3 +94,37 @@ def sweep_plot(rows: Sequence[Comparison], key: str, path: str) -> str:
   fig.savefig(path, dpi=120)
   plt.close(fig)
   return path
+
+
+def validation_plot(rows: Sequence[dict], path: str, title: str = "") -> str:
+  """Predicted vs measured seconds (log-log), one marker per split / group, y = x and +-20%."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(5.2, 4.6))
+  markers = {"forward": "o", "step": "^", "rollout": "s", "paper": "D"}
+  keys = sorted({(r.get("split", "fit"), r.get("group", "rollout")) for r in rows})
+  for split, group in keys:
+    sel = [r for r in rows if r.get("split", "fit") == split and r.get("group") == group]
+    ax.scatter([r["measured_s"] for r in sel], [r["predicted_s"] for r in sel], s=16,
+               marker=markers.get(group, "o"), alpha=0.75,
+               facecolors="none" if split == "fit" else None, label=f"{group} ({split})")
+  lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) / 1.5
+  hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.5
+  xs = [lo, hi]
+  ax.plot(xs, xs, "k-", lw=0.8)
+  ax.plot(xs, [1.2 * x for x in xs], "k:", lw=0.6)
+  ax.plot(xs, [x / 1.2 for x in xs], "k:", lw=0.6)
+  ax.set_xscale("log")
+  ax.set_yscale("log")
+  ax.set_xlabel("measured (s)")
+  ax.set_ylabel("predicted (s)")
+  ax.set_title(title, fontsize=9)
+  ax.legend(fontsize=7)
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  fig.savefig(path, dpi=80)
+  plt.close(fig)
+  return path

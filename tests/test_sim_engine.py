@@ -1,0 +1,202 @@
+"""Tests of the simulator's model of specjax's own engine (buckets, compaction, windows, adaptive
+K), its per-machine calibration from benchmark JSON, advise and project_scaled. Pure numpy.
+"""
+
+import contextlib
+import importlib.util
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+
+from specjax.sim import engine, machine_fit, phases
+from specjax.sim.catalog import get_hardware, get_model
+from specjax.sim.cost import Efficiency
+from specjax.sim.engine import EngineConfig, run_engine, tokens_per_step
+from specjax.sim.engine_cost import EngineCost
+from specjax.sim.scaled import project_scaled
+from specjax.sim.simulate import Scenario, compare
+from specjax.sim.workload import Workload
+
+TINY = machine_fit.model_spec({"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+                               "head_dim": 32, "vocab": 256})
+CPU_EFF = machine_fit.CPU_START
+
+
+def flat_cost(bucket, k, window):
+  return 1e-3 * bucket  # independent of K and window
+
+
+def test_buckets_are_powers_of_two_below_the_batch_down_to_the_minimum():
+  assert EngineConfig(batch=64, prompt_len=8, max_new=16).buckets() == [64, 32, 16, 8]
+  assert EngineConfig(batch=48, prompt_len=8, max_new=16).buckets() == [48, 32, 16, 8]
+  assert EngineConfig(batch=64, prompt_len=8, max_new=16, min_bucket=16,
+                      dp=4).buckets() == [64, 32, 16]
+
+
+def test_tokens_per_step_is_one_plus_the_cumulative_rates():
+  mean, var = tokens_per_step([0.8, 0.5, 0.2], 3)
+  assert mean == pytest.approx(2.5)
+  assert var > 0
+  assert tokens_per_step([0.8, 0.5], 0) == (1.0, 0.0)
+
+
+def test_equal_lengths_ar_runs_max_new_minus_one_iterations_in_one_bucket():
+  cfg = EngineConfig(batch=16, prompt_len=8, max_new=50, windowed=False)
+  run = run_engine(cfg, [50] * 16, [], flat_cost)
+  assert run.iterations == 49 and len(run.segments) == 1
+  assert run.seconds == pytest.approx(49 * 16e-3)
+
+
+def test_compaction_moves_live_rows_to_smaller_buckets_and_beats_the_static_engine():
+  lengths = [10] * 24 + [100] * 8
+  compact = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, windowed=False),
+                       lengths, [], flat_cost)
+  static = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, compact=False,
+                                   windowed=False), lengths, [], flat_cost)
+  assert [s.bucket for s in compact.segments] == [32, 8]
+  assert compact.segments[1].live_rows_start == 8
+  assert compact.seconds < 0.4 * static.seconds
+  assert sum(s.tokens for s in compact.segments) == pytest.approx(sum(lengths) - 32)
+
+
+def test_windows_grow_in_multiples_of_128_up_to_the_static_cache():
+  cfg = EngineConfig(batch=8, prompt_len=100, max_new=300)
+  run = run_engine(cfg, [300] * 8, [], lambda b, k, w: 1e-6 * w)
+  windows = [s.window for s in run.segments]
+  assert windows == sorted(windows) and windows[0] == 128
+  assert all(w % 128 == 0 or w == cfg.cache_size for w in windows)
+  assert windows[-1] == min(cfg.cache_size, 512)
+
+
+def test_adaptive_k_is_zero_when_verify_costs_k_plus_one_steps_and_max_when_free():
+  rates = [0.7, 0.5, 0.3, 0.2]
+  cfg = EngineConfig(batch=16, prompt_len=8, max_new=64, max_draft_len=4, adaptive=True)
+  bound = run_engine(cfg, [64] * 16, rates, lambda b, k, w: 1e-3 * (k + 1))
+  free = run_engine(cfg, [64] * 16, rates, lambda b, k, w: 1e-3)
+  assert set(bound.k_per_bucket.values()) == {0}
+  assert set(free.k_per_bucket.values()) == {4}
+  assert free.seconds < bound.seconds
+
+
+def test_acceptance_noise_lengthens_the_static_tail():
+  rates = [0.7, 0.5, 0.3]
+  cfg = EngineConfig(batch=64, prompt_len=8, max_new=200, draft_len=3, max_draft_len=3,
+                     compact=False, windowed=False)
+  run = run_engine(cfg, [200] * 64, rates, flat_cost)
+  assert run.iterations > 199 / tokens_per_step(rates, 3)[0]
+
+
+def test_engine_config_rejects_bad_values_naming_the_field():
+  with pytest.raises(ValueError, match="EngineConfig.batch"):
+    EngineConfig(batch=30, prompt_len=8, max_new=16, dp=4)
+  with pytest.raises(ValueError, match="EngineConfig.draft_len"):
+    EngineConfig(batch=8, prompt_len=8, max_new=16, draft_len=5, max_draft_len=4)
+  with pytest.raises(ValueError, match="EngineConfig.arm"):
+    EngineConfig.for_arm("spec_magic", batch=8, prompt_len=8, max_new=16)
+
+
+def _engine_json(path, truth: Efficiency, drop=None):
+  """A bench_engine-schema JSON whose times come from the model at `truth`."""
+  cfg = {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32, "vocab": 256,
+         "batch": 32, "max_new": 96, "prompt_len": 32, "temperature": 1.0, "max_draft_len": 3,
+         "length_quantiles": [8, 16, 30, 50, 96]}
+  model = machine_fit.model_spec(cfg)
+  draft = machine_fit.model_spec({**cfg, "layers": 1})
+  ec = EngineCost(model, machine_fit.CPU, truth, "draft-model", draft)
+  cache = 32 + 96 + 3 + 1
+  rows = [{"bucket": b, "draft_len": k, "step_s": ec.step(b, k, cache)}
+          for b in (32, 16, 8) for k in (0, 1, 3)]
+  data = {"machine": "test", "command": "synthetic", "config": cfg, "target_params": 1,
+          "calibration": {"rows": rows, "drafter": "draft_model"}, "arms": {}}
+  for arm in ("ar_static", "ar_compact", "spec_adaptive"):
+    data["arms"][arm] = {"rollout_s": 1.0, "acceptance_length": 2.0 if "spec" in arm else 1.0,
+                         "tokens": 1000, "k_per_bucket": {}, "segments": []}
+  path.write_text(json.dumps(data))
+  _, arms = machine_fit.engine_cases(str(path))
+  for arm, case in zip(list(data["arms"]), arms):
+    data["arms"][arm]["rollout_s"] = case.predict(truth)
+  if drop:
+    del data["config"][drop]
+  path.write_text(json.dumps(data))
+  return data
+
+
+def test_fit_on_bench_engine_calibration_predicts_its_arms(tmp_path):
+  truth = CPU_EFF.replace(bw=0.3, kv_bw=0.02, flops=0.4, step_overhead_s=3e-4)
+  _engine_json(tmp_path / "e.json", truth)
+  steps, arms = machine_fit.engine_cases(str(tmp_path / "e.json"))
+  assert len(steps) == 9 and {c.name for c in arms} == {
+      "engine ar_static", "engine ar_compact", "engine spec_adaptive"}
+  out = machine_fit.validate(steps, arms, start=CPU_EFF,
+                             fields=("bw", "kv_bw", "flops", "step_overhead_s"))
+  assert out["fit"]["max_abs_error"] < 0.02
+  assert out["held_out"]["max_abs_error"] < 0.05
+
+
+def test_bench_engine_json_missing_field_is_named(tmp_path):
+  _engine_json(tmp_path / "e.json", CPU_EFF, drop="length_quantiles")
+  with pytest.raises(ValueError, match="length_quantiles"):
+    machine_fit.engine_cases(str(tmp_path / "e.json"))
+
+
+def test_specjax_engine_scenario_runs_and_static_cache_limits_rows_per_wave():
+  w = Workload(name="t", prompts=32, samples=8, prompt_len=128, mean_response_len=800.0,
+               max_response_len=4096, acceptance_length=2.5)
+  c = compare(Scenario(model="qwen3-8b", hardware="h100", gpus=8, workload=w,
+                       engine="specjax", adaptive=True, gen_mp=1))
+  assert c.rollout_speedup > 1.0
+  assert c.spec.gen_detail.slots <= c.spec.gen_detail.rows_per_replica
+  with pytest.raises(ValueError, match="Scenario.adaptive"):
+    Scenario(adaptive=True)
+
+
+def test_moe_learner_phases_pay_expert_all_to_all_and_active_flops_only():
+  hw, eff = get_hardware("gb200"), Efficiency()
+  w = Workload(name="t", prompts=64, samples=8, mean_response_len=1000.0, max_response_len=4096)
+  moe = get_model("qwen3-235b-a22b")
+  assert phases.all_to_all_time(moe, hw, eff, 64, w, 1.0) > 0
+  assert phases.all_to_all_time(get_model("qwen3-32b"), hw, eff, 64, w, 1.0) == 0
+  # a dense model with the MoE's total parameters trains ~10x slower: FLOPs follow active params
+  dense = get_model("qwen3-32b")
+  ratio = phases.train_time(moe, hw, eff, 64, w) / phases.train_time(dense, hw, eff, 64, w)
+  assert ratio < 1.0 and moe.num_params > 7 * dense.num_params
+
+
+def test_project_scaled_returns_ar_and_spec_times_and_speedups():
+  r = project_scaled(batch=64, completion_lengths=[20, 40, 60, 200], acceptance_length=2.2,
+                     draft_kind="eagle3", max_new=256)
+  for k in ("ar_gen_s", "spec_gen_s", "ar_step_s", "spec_step_s", "rollout_speedup",
+            "step_speedup"):
+    assert r[k] > 0, k
+  assert r["model"] == "qwen3-8b" and r["gpus"] == 8 and r["hardware"] == "h100"
+  with pytest.raises(ValueError, match="project_scaled.draft_kind"):
+    project_scaled(batch=8, completion_lengths=10, acceptance_length=2.0, draft_kind="magic")
+
+
+def test_cli_advise_prints_a_recommendation_and_assumptions():
+  path = os.path.join(os.path.dirname(__file__), "..", "experiments", "simulate.py")
+  spec = importlib.util.spec_from_file_location("simulate_cli_engine", path)
+  cli = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(cli)
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    cli.main(["--advise", "--model", "qwen3-8b", "--hardware", "h100", "--gpus", "8",
+              "--prompts", "16", "--samples", "8", "--max-response-len", "2048",
+              "--mean-response-len", "500", "--max-lag", "1", "--drafters", "eagle3,ngram",
+              "--engine", "specjax", "--gen-mp", "1", "--json"])
+  out = json.loads(buf.getvalue())
+  assert {"recommendation", "best_per_drafter", "assumptions", "ar"} <= set(out)
+  assert set(out["best_per_drafter"]) == {"eagle3", "ngram"}
+  assert np.isfinite(out["best_per_drafter"]["eagle3"]["step_s"])
+
+
+def test_engine_arm_names_map_to_configs():
+  s = EngineConfig.for_arm("spec_static", batch=8, prompt_len=8, max_new=16)
+  assert s.draft_len == 3 and not s.compact and not s.windowed
+  a = EngineConfig.for_arm("spec_adaptive", batch=8, prompt_len=8, max_new=16)
+  assert a.adaptive and a.compact
+  assert EngineConfig.for_arm("ar_compact", batch=8, prompt_len=8, max_new=16).draft_len == 0
+  assert engine.ARMS[0] == "ar_static"
