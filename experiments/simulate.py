@@ -85,7 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="bench_rollout.py JSON (held out unless also --fit-rollout)")
   v.add_argument("--fit-rollout", action="append", default=[])
   v.add_argument("--engine-json", action="append", default=[],
-                 help="bench_engine.py JSON: startup calibration rows are fitted, arms held out")
+                 help="bench_engine.py JSON, held out (its startup calibration rows and arms)")
+  v.add_argument("--fit-engine-json", action="append", default=[],
+                 help="bench_engine.py JSON whose calibration rows and arms are fitted")
+  v.add_argument("--fit-engine-calibration", action="append", default=[],
+                 help="bench_engine.py JSON whose calibration rows are fitted, arms held out")
   v.add_argument("--plot", default=None, help="predicted-vs-measured PNG")
   v.add_argument("--save", default=None, help="write the validation JSON here")
   return p.parse_args(argv)
@@ -155,26 +159,37 @@ def run_validation(a: argparse.Namespace) -> dict:
   for path in a.rollout_json:
     if path not in a.fit_rollout:
       held += machine_fit.rollout_cases(path)
-  for path in a.engine_json:
+  for path in a.fit_engine_json:
+    steps, arms = machine_fit.engine_cases(path)
+    fit_cases += steps + arms
+  for path in a.fit_engine_calibration:
     steps, arms = machine_fit.engine_cases(path)
     fit_cases += steps
     held += arms
+  run_steps = {}
+  for path in a.engine_json:
+    steps, arms = machine_fit.engine_cases(path)
+    held += steps + arms
+    run_steps[arms[0].name.rsplit(" ", 1)[0] + " "] = steps
   if not fit_cases:
     raise SystemExit("--validate-cpu: no fit cases (give --forward-json with --fit-models, "
-                     "--fit-rollout or --engine-json)")
-  out = machine_fit.validate(fit_cases, held)
+                     "--fit-rollout, --fit-engine-json or --fit-engine-calibration)")
+  out = machine_fit.validate(fit_cases, held, run_steps=run_steps)
   out["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
   if not a.json:
     print("fitted CPU factors:")
     for k, v in out["efficiency"].items():
       print(f"  {k} = {v}")
-    print("\n| split | case | measured (s) | predicted (s) | error |\n|---|---|---:|---:|---:|")
+    print("\n| split | case | measured (s) | predicted (s) | error | x load factor |\n"
+          "|---|---|---:|---:|---:|---:|")
     for r in out["rows"]:
       if r["group"] != "forward":
+        sc = f"{100 * r['error_scaled']:+.1f}%" if "error_scaled" in r else "-"
         print(f"| {r['split']} | {r['case']} | {r['measured_s']:.4g} | {r['predicted_s']:.4g} | "
-              f"{100 * r['error']:+.1f}% |")
+              f"{100 * r['error']:+.1f}% | {sc} |")
     print(f"fit: {out['fit']}\nheld out: {out['held_out']}\nby group: "
-          f"{out['held_out_by_group']}")
+          f"{out['held_out_by_group']}\nheld-out rollouts x load factor: "
+          f"{out['held_out_rollouts_load_scaled']}")
   if a.plot:
     report.validation_plot(out["rows"], a.plot, "specjax on CPU: predicted vs measured")
   if a.save:

@@ -103,9 +103,15 @@ def test_async_step_is_the_slower_group_plus_what_stays_exposed():
 
 @pytest.mark.parametrize("case", [
     "rl-zero AR gen", "rl-zero AR step", "rl-zero eagle3 K=3 gen", "rl-zero eagle3 K=3 step",
-    "rl-think AR gen", "rl-think eagle3 K=3 gen", "rl-think AR step (derived)",
-    "rl-think eagle3 K=3 step (derived)"])
-def test_calibrated_8b_case_lands_within_15_percent_of_the_paper(paper, case):
+    "rl-think AR gen", "rl-think eagle3 K=3 gen"])
+def test_calibrated_8b_case_lands_within_10_percent_of_the_published_figure(paper, case):
+  c, predicted = paper[case]
+  assert abs(predicted / c.seconds - 1) < 0.10, (case, predicted, c.seconds)
+
+
+@pytest.mark.parametrize("case", ["rl-think AR step (derived)",
+                                  "rl-think eagle3 K=3 step (derived)"])
+def test_derived_8b_step_lands_within_15_percent(paper, case):
   c, predicted = paper[case]
   assert abs(predicted / c.seconds - 1) < 0.15, (case, predicted, c.seconds)
 

@@ -30,8 +30,10 @@ def flat_cost(bucket, k, window):
 
 
 def test_buckets_are_powers_of_two_below_the_batch_down_to_the_minimum():
-  assert EngineConfig(batch=64, prompt_len=8, max_new=16).buckets() == [64, 32, 16, 8]
-  assert EngineConfig(batch=48, prompt_len=8, max_new=16).buckets() == [48, 32, 16, 8]
+  assert EngineConfig(batch=64, prompt_len=8, max_new=16,
+                      min_bucket=8).buckets() == [64, 32, 16, 8]
+  assert EngineConfig(batch=48, prompt_len=8, max_new=16, min_bucket=8).buckets() == [48, 32, 16, 8]
+  assert EngineConfig(batch=4, prompt_len=8, max_new=16).buckets() == [4, 2, 1]
   assert EngineConfig(batch=64, prompt_len=8, max_new=16, min_bucket=16,
                       dp=4).buckets() == [64, 32, 16]
 
@@ -52,7 +54,8 @@ def test_equal_lengths_ar_runs_max_new_minus_one_iterations_in_one_bucket():
 
 def test_compaction_moves_live_rows_to_smaller_buckets_and_beats_the_static_engine():
   lengths = [10] * 24 + [100] * 8
-  compact = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, windowed=False),
+  compact = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, windowed=False,
+                                    min_bucket=8),
                        lengths, [], flat_cost)
   static = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, compact=False,
                                    windowed=False), lengths, [], flat_cost)

@@ -40,6 +40,7 @@ class Efficiency:
   layer_overhead_s: float = 0.0  # per layer per forward: op dispatch inside the program
   logit_s: float = 0.0  # per logit element (row x position x vocab): softmax, sampling, verify
   overlap_p: float = ROOFLINE_P  # roofline knee; 1 = compute and memory traffic add up
+  segment_overhead_s: float = 0.0  # specjax engine: host work per segment (sync, compaction)
 
   def __post_init__(self):
     for f in ("attn_flops", "kv_bw"):
@@ -53,7 +54,8 @@ class Efficiency:
       if not 0 < v <= 1:
         raise ValueError(f"Efficiency.{f}: must be in (0, 1], got {v}")
     for f in ("step_overhead_s", "draft_overhead_s", "host_ngram_s_per_token",
-              "prepare_overhead_s", "other_s", "layer_overhead_s", "logit_s"):
+              "prepare_overhead_s", "other_s", "layer_overhead_s", "logit_s",
+              "segment_overhead_s"):
       if getattr(self, f) < 0:
         raise ValueError(f"Efficiency.{f}: must be >= 0, got {getattr(self, f)}")
 

@@ -38,9 +38,12 @@ class EngineConfig:
   adaptive: bool = False
   compact: bool = True
   windowed: bool = True
-  min_bucket: int = 8
+  min_bucket: int = 1
   dp: int = 1  # data-parallel size: every bucket is a multiple of it
   window_multiple: int = 128
+  first_segment_iters: int = 4  # adaptive: steps before the first re-decision of K ...
+  max_segment_iters: int = 256  # ... doubling per segment in a bucket up to this
+  segment_overhead_s: float = 0.0  # host work per segment: sync, summary, compaction gather
 
   def __post_init__(self):
     for f in ("batch", "prompt_len", "max_new", "min_bucket", "dp", "window_multiple"):
@@ -49,6 +52,11 @@ class EngineConfig:
     _check(0 <= self.draft_len <= self.max_draft_len, "draft_len",
            f"must be in [0, max_draft_len={self.max_draft_len}], got {self.draft_len}")
     _check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
+    _check(1 <= self.first_segment_iters <= self.max_segment_iters, "first_segment_iters",
+           f"must be in [1, max_segment_iters={self.max_segment_iters}], got "
+           f"{self.first_segment_iters}")
+    _check(self.segment_overhead_s >= 0, "segment_overhead_s",
+           f"must be >= 0, got {self.segment_overhead_s}")
 
   @classmethod
   def for_arm(cls, arm: str, **kw) -> "EngineConfig":
@@ -69,14 +77,13 @@ class EngineConfig:
     return self.prompt_len + self.max_new + self.max_draft_len + 1
 
   def buckets(self) -> list[int]:
-    """The batch, then powers of two below it down to min_bucket (each a multiple of dp)."""
-    out = [self.batch]
-    b = 2 ** math.floor(math.log2(self.batch))
-    b = b // 2 if b == self.batch else b
-    while b >= max(self.min_bucket, self.dp):
-      if b % self.dp == 0:
-        out.append(b)
+    """The batch, then the powers of two below it that are multiples of dp and >= min_bucket
+    (as specjax.sampling.engine.bucket_sizes)."""
+    out, b = [self.batch], 1 << (self.batch - 1).bit_length()
+    while b > 1:
       b //= 2
+      if b < self.batch and b % self.dp == 0 and b >= max(self.min_bucket, self.dp):
+        out.append(b)
     return out
 
 
@@ -167,24 +174,31 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
   """Segments of one rollout of `cfg.batch` rows with completion lengths `lengths` (tokens,
   the first sampled by the prefill). Every live row advances the same expected number of tokens
   per iteration (acceptance noise folded into each row's work, see effective_lengths). A
-  segment ends when the live rows fit the next bucket (compaction) or the window must grow.
-  `k_per_bucket` fixes K per bucket (e.g. as a measured run chose it)."""
+  segment ends when the live rows fit the next bucket (then they are compacted into the
+  smallest bucket that holds them), the window must grow, or (adaptive) its iteration budget
+  runs out and K is chosen again. `k_per_bucket` fixes K per bucket (as a measured run chose)."""
   lengths = np.asarray(lengths, float)
   if len(lengths) != cfg.batch:
     raise ValueError(f"run_engine: {len(lengths)} lengths for EngineConfig.batch={cfg.batch}")
   if len(rates) < cfg.max_draft_len and (cfg.adaptive or cfg.draft_len):
     raise ValueError(f"run_engine: rates need max_draft_len={cfg.max_draft_len} entries, "
                      f"got {len(rates)}")
-  work_k = cfg.draft_len if not cfg.adaptive else cfg.max_draft_len
   fixed = dict(k_per_bucket or {})
+  adaptive = cfg.adaptive and not fixed
   buckets = cfg.buckets() if cfg.compact else [cfg.batch]
-  # Work per row in committed tokens after the prefill's first one, with acceptance noise.
-  noise_k = fixed.get(cfg.batch, work_k)
-  work = effective_lengths(np.clip(lengths, 1, cfg.max_new) - 1.0,
-                           *tokens_per_step(rates, noise_k))
-  work = np.sort(work)
+  # Work per row in committed tokens after the prefill's first one, with acceptance noise at
+  # the K of the first bucket.
+  if fixed:
+    noise_k = fixed.get(cfg.batch, max(fixed.values()))
+  elif adaptive:
+    noise_k = choose_draft_len(cfg, cfg.batch, _window(cfg, cfg.prompt_len + 1,
+                                                       cfg.max_draft_len), rates, step_cost)
+  else:
+    noise_k = cfg.draft_len
+  work = np.sort(effective_lengths(np.clip(lengths, 1, cfg.max_new) - 1.0,
+                                   *tokens_per_step(rates, noise_k)))
   done_tokens = 0.0  # tokens each live row has committed since the prefill
-  segments, chosen = [], {}
+  segments, chosen, budget = [], {}, {}
   bi = 0
   while True:
     live = int((work > done_tokens + 1e-9).sum())
@@ -194,10 +208,13 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
       bi += 1
     bucket = buckets[bi]
     longest = cfg.prompt_len + 1 + done_tokens
-    if bucket not in chosen:
-      w0 = _window(cfg, longest, cfg.max_draft_len)
-      chosen[bucket] = fixed.get(bucket, choose_draft_len(cfg, bucket, w0, rates, step_cost))
-    k = chosen[bucket]
+    if bucket in fixed:
+      k = fixed[bucket]
+    elif adaptive:
+      k = choose_draft_len(cfg, bucket, _window(cfg, longest, cfg.max_draft_len), rates,
+                           step_cost)
+    else:
+      k = cfg.draft_len
     mean, _ = tokens_per_step(rates, k)
     window = _window(cfg, longest, k)
     # iterations until: the live rows fit the next bucket, the window must grow, all done
@@ -208,10 +225,16 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
       limits.append(window - k - 1 - cfg.prompt_len - 1)
     target = max(min(limits), done_tokens + 1e-6)
     iters = max(1, math.ceil((target - done_tokens) / mean - 1e-9))
+    if adaptive:
+      j = budget.get(bucket, (k, 0))[1] if budget.get(bucket, (k, 0))[0] == k else 0
+      iters = min(iters, cfg.first_segment_iters << j, cfg.max_segment_iters)
+      budget[bucket] = (k, j + 1)
     step = step_cost(bucket, k, window)
     new_done = done_tokens + iters * mean
     tokens = float(np.clip(np.minimum(work, new_done) - done_tokens, 0, None).sum())
-    segments.append(Segment(bucket, k, window, iters, live, iters * step, tokens))
+    segments.append(Segment(bucket, k, window, iters, live,
+                            iters * step + cfg.segment_overhead_s, tokens))
+    chosen[bucket] = k
     done_tokens = new_done
   total = prefill_s + sum(s.seconds for s in segments)
   return EngineRun(total, prefill_s, tuple(segments), chosen)

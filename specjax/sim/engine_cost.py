@@ -41,11 +41,14 @@ class EngineCost:
       return cost.eagle3_net(self.model)
     return cost.mtp_net(self.model)
 
-  def target_forward(self, rows: int, tokens: int, window: int) -> float:
-    """A target forward of `tokens` tokens per row over a `window`-position static window."""
+  def target_forward(self, rows: int, tokens: int, window: int,
+                     bare: bool = False) -> float:
+    """A target forward of `tokens` tokens per row over a `window`-position static window;
+    with the step's fixed bookkeeping (sampling, commit, loop) unless `bare`."""
     return float(cost.forward_time(cost.target_net(self.model), self.hardware, self.eff,
                                    self.mp, rows * tokens, rows * window, tokens,
-                                   self.eff.step_overhead_s))
+                                   0.0 if bare else self.eff.step_overhead_s,
+                                   logit_tokens=0 if bare else None))
 
   def draft_time(self, rows: int, draft_len: int, window: int) -> float:
     """K sequential draft forwards; the first also feeds the last two committed tokens."""

@@ -24,12 +24,14 @@ CPU = HardwareSpec("cpu", flops=160e9, hbm_bw=20e9, hbm_bytes=16e9, nvlink_bw=1e
                    domain=1, link_latency_s=0.0)
 # Start values of a CPU fit: compute and memory traffic do not overlap (overlap_p = 1).
 CPU_START = Efficiency(bw=0.1, kv_bw=0.05, flops=0.2, attn_flops=0.02, step_overhead_s=2e-4,
-                       draft_overhead_s=1e-4, layer_overhead_s=5e-5, logit_s=1e-9, overlap_p=1.0)
-CPU_FIELDS = ("bw", "kv_bw", "flops", "attn_flops", "step_overhead_s", "layer_overhead_s", "logit_s",
-              "draft_overhead_s")
+                       draft_overhead_s=1e-4, layer_overhead_s=5e-5, logit_s=1e-9, overlap_p=1.0,
+                       segment_overhead_s=2e-3)
+CPU_FIELDS = ("bw", "kv_bw", "flops", "attn_flops", "step_overhead_s", "layer_overhead_s",
+              "logit_s", "draft_overhead_s", "segment_overhead_s")
 BOUNDS = {"bw": (1e-3, 1.0), "kv_bw": (1e-4, 1.0), "flops": (1e-3, 1.0), "attn_flops": (1e-4, 1.0),
           "step_overhead_s": (1e-7, 0.05), "draft_overhead_s": (1e-7, 0.05),
-          "layer_overhead_s": (1e-8, 1e-2), "logit_s": (1e-13, 1e-5)}
+          "layer_overhead_s": (1e-8, 1e-2), "logit_s": (1e-13, 1e-5),
+          "segment_overhead_s": (1e-6, 0.5)}
 
 
 def _need(d: dict, key: str, where: str):
@@ -61,11 +63,12 @@ class ForwardCase:
   tokens: int
   window: int
   seconds: float
-  weight: float = 1.0
+  weight: float = 0.25  # many, short and noisy: together they weigh like a few rollouts
   group: str = "forward"
 
   def predict(self, eff: Efficiency, hw: HardwareSpec = CPU) -> float:
-    return EngineCost(self.model, hw, eff).target_forward(self.batch, self.tokens, self.window)
+    return EngineCost(self.model, hw, eff).target_forward(self.batch, self.tokens, self.window,
+                                                          bare=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,13 +81,15 @@ class StepCase:
   draft_len: int
   window: int
   seconds: float
-  weight: float = 1.0
+  iters: int = 3  # steps per timed call: the call's host overhead is spread over them
+  weight: float = 0.5  # a few steps timed once: noisy
   group: str = "step"
 
   def predict(self, eff: Efficiency, hw: HardwareSpec = CPU) -> float:
     model, draft, drafter = self.cost_args
-    return EngineCost(model, hw, eff, drafter if self.draft_len else "none", draft).step(
+    step = EngineCost(model, hw, eff, drafter if self.draft_len else "none", draft).step(
         self.bucket, self.draft_len, self.window)
+    return step + eff.segment_overhead_s / self.iters
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +105,7 @@ class RolloutCase:
   rates: tuple
   seconds: float
   k_per_bucket: tuple = ()  # ((bucket, K), ...) as the run chose, for adaptive arms
-  weight: float = 1.0
+  weight: float = 2.0
   group: str = "rollout"
 
   def run(self, eff: Efficiency, hw: HardwareSpec = CPU):
@@ -108,6 +113,7 @@ class RolloutCase:
     spec = c.draft_len > 0 or c.adaptive
     ec = EngineCost(self.model, hw, eff, self.drafter if spec else "none", self.draft_model)
     prefill = ec.prefill(c.batch, c.prompt_len, c.cache_size, c.max_draft_len if spec else 0)
+    c = dataclasses.replace(c, segment_overhead_s=eff.segment_overhead_s)
     return run_engine(c, list(self.lengths), list(self.rates), ec.step, prefill,
                       dict(self.k_per_bucket) or None)
 
@@ -189,10 +195,14 @@ def quantile_lengths(quantiles: Sequence[float], batch: int) -> np.ndarray:
   return np.interp(at, np.linspace(0, 1, len(q)), np.sort(q))
 
 
-def engine_cases(path: str) -> tuple[list[StepCase], list[RolloutCase]]:
+def engine_cases(path: str, measured_k: bool = False) -> tuple[list[StepCase],
+                                                                 list[RolloutCase]]:
   """Startup-calibration steps and arm rollouts from a bench_engine.py JSON (schema in
   docs/SIMULATOR.md). Arms name their engine (ar_static, ar_compact, spec_static,
-  spec_compact, spec_adaptive); spec arms draft with the JSON's calibration drafter."""
+  spec_compact, spec_adaptive); spec arms draft with the JSON's calibration drafter. Optional
+  per-arm `lengths` (else config.length_quantiles) and `per_position_acceptance_rate` (else
+  derived from acceptance_length). `measured_k`: adaptive arms keep the K per bucket they chose
+  (else the model chooses)."""
   with open(path) as f:
     data = json.load(f)
   cfgj = _need(data, "config", path)
@@ -204,35 +214,54 @@ def engine_cases(path: str) -> tuple[list[StepCase], list[RolloutCase]]:
   max_k = int(_need(cfgj, "max_draft_len", where))
   lengths = quantile_lengths(_need(cfgj, "length_quantiles", where), batch)
   calib = _need(data, "calibration", path)
-  drafter = str(calib.get("drafter", "draft-model"))
-  drafter, draft = _engine_drafter(drafter, cfgj, model)
+  drafter, draft = _engine_drafter(str(calib.get("drafter", "draft-model")), cfgj, model)
   extra = {k: int(cfgj[k]) for k in ("min_bucket", "dp", "window_multiple") if k in cfgj}
-  cache = prompt_len + max_new + max_k + 1
+  arms = _need(data, "arms", path)
+  first_window = {}  # (bucket, K) -> window of the first segment that ran it
+  for a in arms.values():
+    for seg in a.get("segments") or []:
+      first_window.setdefault((seg.get("bucket"), seg.get("draft_len")), seg.get("window"))
   steps = []
   for i, r in enumerate(_need(calib, "rows", f"{path}:calibration")):
     w = f"{path}:calibration.rows[{i}]"
-    steps.append(StepCase(f"calib b={r['bucket']} K={r['draft_len']}", (model, draft, drafter),
-                          int(_need(r, "bucket", w)), int(_need(r, "draft_len", w)),
-                          int(r.get("window", cache)), float(_need(r, "step_s", w))))
+    b, k = int(_need(r, "bucket", w)), int(_need(r, "draft_len", w))
+    window = r.get("window") or first_window.get((b, k)) or prompt_len + max_new + max_k + 1
+    steps.append(StepCase(f"{_engine_label(cfgj)} calib b={b} K={k}", (model, draft, drafter),
+                          b, k, int(window), float(_need(r, "step_s", w)),
+                          int(r.get("iters", 3))))
   rollouts = []
-  for arm, a in _need(data, "arms", path).items():
+  for arm, a in arms.items():
     w = f"{path}:arms.{arm}"
-    base = arm if arm in ("ar_static", "ar_compact", "spec_static", "spec_adaptive") else (
+    base = arm if arm in ("ar_static", "ar_compact", "spec_static", "spec_compact",
+                          "spec_adaptive") else (
         "spec_compact" if arm.startswith("spec") else "ar_compact")
     segs = a.get("segments") or []
-    k_fixed = max((s.get("draft_len", 0) for s in segs), default=3) if base != "spec_adaptive" \
-        else None
     kw = dict(batch=batch, prompt_len=prompt_len, max_new=max_new, max_draft_len=max_k, **extra)
-    if base.startswith("spec") and base != "spec_adaptive":
-      kw["draft_len"] = max(1, min(k_fixed or 3, max_k))
+    if base in ("spec_static", "spec_compact"):
+      k_fixed = max((s.get("draft_len", 0) for s in segs), default=0) or int(
+          cfgj.get("draft_len", min(3, max_k)))
+      kw["draft_len"] = kw["max_draft_len"] = max(1, min(k_fixed, max_k))
+    elif base.startswith("ar"):
+      kw["max_draft_len"] = 0  # the cache holds prompt + completion only
     cfg = EngineConfig.for_arm(base, **kw)
     acc = float(a.get("acceptance_length", 1.0))
-    rates = tuple(cumulative_rates(acc, max_k, at=_at(a, cfg, max_k))) if max_k else ()
+    rates = tuple(a.get("per_position_acceptance_rate") or ())
+    if base.startswith("spec") and len(rates) < cfg.max_draft_len:
+      rates = tuple(cumulative_rates(acc, max_k, at=_at(a, cfg, max_k)))
     kpb = tuple((int(b), int(k)) for b, k in (a.get("k_per_bucket") or {}).items())
-    rollouts.append(RolloutCase(f"engine {arm}", model, draft, drafter, cfg, tuple(lengths),
+    arm_lengths = a.get("lengths")
+    if arm_lengths is not None and len(arm_lengths) != batch:
+      raise ValueError(f"{w}.lengths: {len(arm_lengths)} lengths for config.batch={batch}")
+    rollouts.append(RolloutCase(f"{_engine_label(cfgj)} {arm}", model, draft, drafter, cfg,
+                                tuple(arm_lengths if arm_lengths is not None else lengths),
                                 rates, float(_need(a, "rollout_s", w)),
-                                kpb if cfg.adaptive else ()))
+                                kpb if cfg.adaptive and measured_k else ()))
   return steps, rollouts
+
+
+def _engine_label(c: dict) -> str:
+  return (f"d{c.get('hidden')}-l{c.get('layers')}-v{c.get('vocab')} b={c.get('batch')} "
+          f"N={c.get('max_new')}" + (f" eos{c['eos_tokens']}" if "eos_tokens" in c else ""))
 
 
 def _at(arm: dict, cfg: EngineConfig, max_k: int) -> int:
@@ -310,16 +339,35 @@ def efficiency_from_dict(d: dict) -> Efficiency:
   return Efficiency(**d)
 
 
+def run_scale(steps: Sequence[StepCase], eff: Efficiency, hw: HardwareSpec = CPU) -> float:
+  """Load factor of one run: geometric mean of measured / predicted over its own startup
+  calibration steps (on a shared machine the same program runs slower when others load it)."""
+  if not steps:
+    return 1.0
+  return float(np.exp(np.mean([math.log(c.seconds / c.predict(eff, hw)) for c in steps])))
+
+
 def validate(fit_cases: Sequence, heldout: Sequence, start: Efficiency = CPU_START,
-             fields: Sequence[str] = CPU_FIELDS, hw: HardwareSpec = CPU) -> dict:
-  """Fit on `fit_cases`, predict `heldout`; both error tables and their summaries."""
+             fields: Sequence[str] = CPU_FIELDS, hw: HardwareSpec = CPU,
+             run_steps: dict | None = None) -> dict:
+  """Fit on `fit_cases`, predict `heldout`; both error tables and their summaries.
+  `run_steps` maps a case-name prefix (one run) to that run's startup-calibration steps: its
+  held-out rollouts are also predicted times the run's load factor (`error_scaled`)."""
   eff = fit(fit_cases, start, fields, hw)
   fit_rows = [dict(r, split="fit") for r in errors(fit_cases, eff, hw)]
   held_rows = [dict(r, split="held-out") for r in errors(heldout, eff, hw)]
+  scaled = []
+  for prefix, steps in (run_steps or {}).items():
+    scale = run_scale(steps, eff, hw)
+    for r in held_rows:
+      if r["case"].startswith(prefix) and r["group"] == "rollout":
+        r["load_factor"] = scale
+        r["error_scaled"] = r["predicted_s"] * scale / r["measured_s"] - 1.0
+        scaled.append({"error": r["error_scaled"]})
   by_group = {}
   for r in held_rows:
     by_group.setdefault(r["group"], []).append(r)
   return {"efficiency": efficiency_dict(eff), "fit": summary(fit_rows),
-          "held_out": summary(held_rows),
+          "held_out": summary(held_rows), "held_out_rollouts_load_scaled": summary(scaled),
           "held_out_by_group": {g: summary(rs) for g, rs in by_group.items()},
           "rows": fit_rows + held_rows}

@@ -102,3 +102,87 @@ def run_probes(names, batches=(1, 4, 16, 64), tokens=(1, 4, 8), windows=(128, 51
     out["models"][name] = {"model": model_fields(cfg), "num_params": cfg.num_params(),
                            "rows": forward_grid(cfg, batches, tokens, windows, repeats)}
   return out
+
+
+ENGINE_ARMS = ("ar_static", "ar_compact", "spec_static", "spec_compact", "spec_adaptive")
+
+
+def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: int,
+                     eos_tokens: int, draft_len: int = 3, max_draft_len: int = 3,
+                     draft_layers: int = 1, min_bucket: int = 8, repeats: int = 3,
+                     temperature: float = 1.0, init_std: float = 0.05, seed: int = 0,
+                     arms=ENGINE_ARMS) -> dict:
+  """Rollouts of one random-weight target by specjax's engine in each arm, as the bench_engine
+  JSON schema (docs/SIMULATOR.md) plus per-arm `lengths`, `rollout_s_min` and `rollout_s_all`.
+  Tokens 1..eos_tokens end a row, so completion lengths are long-tailed (about geometric,
+  mean vocab / eos_tokens, clipped at max_new). The draft is the target's first
+  `draft_layers` layers (shared embedding and head)."""
+  import numpy as np
+
+  from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, SamplingConfig,
+                                generate, speculative_generate, truncated_copy)
+  from specjax.sampling import engine as eng
+
+  cfg = cfg.replace(init_std=init_std)
+  target = Decoder(cfg, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  lengths = rng.integers(max(prompt_len // 2, 1), prompt_len + 1, batch).astype(np.int32)
+  prompts = rng.integers(eos_tokens + 1, cfg.vocab_size, (batch, prompt_len)).astype(np.int32)
+  prompts = np.where(np.arange(prompt_len)[None] < lengths[:, None], prompts, 0)
+  prompts, lengths = jnp.asarray(prompts), jnp.asarray(lengths)
+  scfg = SamplingConfig(max_new_tokens=max_new, temperature=temperature,
+                        eos_ids=tuple(range(1, eos_tokens + 1)))
+  drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, draft_layers), draft_len)
+  engines = {"static": eng.STATIC,
+             "compact": eng.EngineConfig(adaptive=False, min_bucket=min_bucket),
+             "adaptive": eng.EngineConfig(adaptive=True, max_draft_len=max_draft_len,
+                                          min_bucket=min_bucket)}
+  key = jax.random.key(seed)
+  out_arms = {}
+  eng.clear_calibration()
+  for arm in arms:
+    kind, mode = arm.split("_")
+    if kind == "ar":
+      run = lambda: generate(target, prompts, lengths, key, scfg, engine=engines[mode])
+    else:
+      run = lambda: speculative_generate(target, drafter, dparams, prompts, lengths, key, scfg,
+                                         engine=engines[mode])
+    t0 = time.perf_counter()
+    out = jax.block_until_ready(run())
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      out = jax.block_until_ready(run())
+      times.append(time.perf_counter() - t0)
+    acc = 1.0
+    rates = []
+    if out.stats is not None:
+      m = AcceptanceMetrics.from_counts(out.stats)
+      acc, rates = float(m.acceptance_length), [float(x) for x in
+                                                m.per_position_acceptance_rate]
+    segs = [{"bucket": s.bucket, "draft_len": s.draft_len, "window": s.window,
+             "iterations": s.iterations, "live_rows_start": s.live_rows_start,
+             "seconds": s.seconds, "tokens": s.tokens} for s in out.segments]
+    kpb = {}
+    for s in segs:
+      kpb[str(s["bucket"])] = s["draft_len"]
+    out_arms[arm] = {"rollout_s": statistics.median(times), "rollout_s_min": min(times),
+                     "rollout_s_all": times, "first_call_s": first,
+                     "acceptance_length": acc, "per_position_acceptance_rate": rates,
+                     "tokens": int(np.sum(out.lengths)), "k_per_bucket": kpb,
+                     "segments": segs, "lengths": [int(x) for x in np.asarray(out.lengths)]}
+    print(f"  {arm:<14} {statistics.median(times):7.3f} s (min {min(times):.3f}, first "
+          f"{first:.1f})  acc {acc:.2f}  segments {len(segs)}  K {kpb}", flush=True)
+  fields = model_fields(cfg)
+  ref = out_arms.get("ar_static") or next(iter(out_arms.values()))
+  return {"machine": machine(), "command": "", "config": {
+      "hidden": fields["hidden"], "layers": fields["layers"], "heads": fields["heads"],
+      "kv_heads": fields["kv_heads"], "head_dim": fields["head_dim"], "vocab": fields["vocab"],
+      "batch": batch, "max_new": max_new, "prompt_len": prompt_len,
+      "temperature": temperature, "max_draft_len": max_draft_len,
+      "length_quantiles": sorted(ref["lengths"]), "draft_layers": draft_layers,
+      "min_bucket": min_bucket, "eos_tokens": eos_tokens, "draft_len": draft_len},
+      "target_params": cfg.num_params(),
+      "calibration": {"rows": eng.calibration_table(), "drafter": "draft_model"},
+      "arms": out_arms}

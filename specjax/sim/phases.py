@@ -175,7 +175,8 @@ def generation_specjax(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus
     b = len(wave)
     ecfg = EngineConfig(batch=b, prompt_len=workload.prompt_len, max_new=n_max,
                         draft_len=max_k if not adaptive else 0, max_draft_len=max_k,
-                        adaptive=adaptive and speculative, min_bucket=min(min_bucket, b))
+                        adaptive=adaptive and speculative, min_bucket=min(min_bucket, b),
+                        segment_overhead_s=eff.segment_overhead_s)
     pre = ec.prefill(b, workload.prompt_len, cache, max_k)
     run = run_engine(ecfg, wave, rates, ec.step, pre)
     seconds += run.seconds
