@@ -11,6 +11,7 @@ import dataclasses
 import jax.numpy as jnp
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -48,6 +49,13 @@ class ModelConfig:
   aux_layers: tuple[int, ...] | None = None
   mtp: bool = False  # native multi-token-prediction module (DeepSeek-V3 style)
   init_std: float = 0.02
+  # Full-sequence (no-cache) forwards, i.e. training and logprob passes: 0 = dense attention
+  # (scores [B, H, T, T]); > 0 = memory linear in T, a fused kernel where the backend has one,
+  # else query x key blocks of this size (`specjax.models.attention`).
+  attention_block: int = 0
+  # Rematerialisation of each decoder layer in full-sequence forwards: "none" keeps every
+  # activation for the backward pass, "full" keeps only layer inputs, "dots" keeps matmul outputs.
+  remat: str = "none"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -61,6 +69,10 @@ class ModelConfig:
     _check(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
     _check(self.param_dtype in DTYPES, "param_dtype",
            f"must be one of {sorted(DTYPES)}, got {self.param_dtype!r}")
+    _check(self.attention_block >= 0, "attention_block",
+           f"must be >= 0 (0 = dense), got {self.attention_block}")
+    _check(self.remat in REMAT_POLICIES, "remat",
+           f"must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
     if self.aux_layers is not None:
       object.__setattr__(self, "aux_layers", tuple(int(i) for i in self.aux_layers))
       _check(len(self.aux_layers) >= 1, "aux_layers", "must name at least one layer")
@@ -85,7 +97,7 @@ class ModelConfig:
   def params_dtype(self):
     return DTYPES[self.param_dtype]
 
-  def replace(self, **kw) -> "ModelConfig":
+  def replace(self, **kw) -> ModelConfig:
     return dataclasses.replace(self, **kw)
 
   def num_params(self) -> int:

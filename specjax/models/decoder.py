@@ -6,6 +6,8 @@ states; with a `KVCache` it appends the T tokens at each row's own offset (see `
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
@@ -32,6 +34,17 @@ def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=No
   if positions is None:
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
   return positions, causal_mask(positions, positions)
+
+
+_REMAT = {"full": jax.checkpoint_policies.nothing_saveable,
+          "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def remat_layer(layer: nnx.Module, policy: str):
+  """`layer`'s call under a rematerialisation policy (ModelConfig.remat) for the backward pass."""
+  if policy == "none":
+    return layer
+  return functools.partial(nnx.remat(lambda m, *args: m(*args), policy=_REMAT[policy]), layer)
 
 
 class MTPModule(nnx.Module):
@@ -82,11 +95,17 @@ class Decoder(nnx.Module):
     return KVCache.create(cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim,
                           dtype or cfg.compute_dtype)
 
+  def _linear_attention(self, cache, positions) -> bool:
+    """Full-sequence forward with default positions and a block size: memory-linear attention."""
+    return cache is None and positions is None and self.cfg.attention_block > 0
+
   # -- forward ---------------------------------------------------------------------------------
   def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
                positions: jax.Array | None = None, compute_logits: bool = True) -> DecoderOutput:
     b, t = tokens.shape
+    causal_by_index = self._linear_attention(cache, positions)
     positions, mask = positions_and_mask(b, t, cache, positions)
+    mask = None if causal_by_index else mask  # the layers then attend in blocks (attention.py)
     x = self.embed_tokens(tokens)
     aux_ids = self.cfg.aux_layer_ids
     aux = {}
@@ -95,7 +114,7 @@ class Decoder(nnx.Module):
       if i in aux_ids:
         aux[i] = x
       if cache is None:
-        x, _ = layer(x, positions, mask)
+        x, _ = remat_layer(layer, self.cfg.remat)(x, positions, mask)
       else:
         x, (k, v) = layer(x, positions, mask, (cache.k[i], cache.v[i]), cache.lengths,
                           cache.visible)
@@ -116,7 +135,9 @@ class Decoder(nnx.Module):
     if self.mtp is None:
       raise ValueError("mtp_forward: this decoder has no MTP module (ModelConfig.mtp=False)")
     b, t = next_tokens.shape
+    causal_by_index = self._linear_attention(cache, positions)
     positions, mask = positions_and_mask(b, t, cache, positions)
+    mask = None if causal_by_index else mask
     emb = self.embed_tokens(next_tokens)
     if cache is None:
       x, _ = self.mtp(emb, hidden, positions, mask)

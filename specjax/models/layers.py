@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.models.attention import causal_attention
 from specjax.models.cache import write_rows
 from specjax.models.config import ModelConfig, RopeScaling
 
@@ -98,6 +99,7 @@ class Attention(nnx.Module):
       self.q_norm = self.k_norm = None
     self.rope = (cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # static; frequencies fold at trace
     self.dtype = cfg.compute_dtype
+    self.attention_block = cfg.attention_block
 
   def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None = None,
                write_at: jax.Array | None = None, visible: int | None = None):
@@ -117,8 +119,11 @@ class Attention(nnx.Module):
     if kv is not None:
       k = write_rows(kv[0], k, write_at)
       v = write_rows(kv[1], v, write_at)
-    ks, vs = (k, v) if visible is None else (k[:, :visible], v[:, :visible])
-    out = attend(q, ks.astype(dt), vs.astype(dt), mask)
+    if mask is None:  # full sequence, causal by index (no cache): memory linear in T
+      out = causal_attention(q, k, v, block=self.attention_block)
+    else:
+      ks, vs = (k, v) if visible is None else (k[:, :visible], v[:, :visible])
+      out = attend(q, ks.astype(dt), vs.astype(dt), mask)
     return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), (k, v)
 
 

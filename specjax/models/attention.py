@@ -1,0 +1,154 @@
+"""Causal self-attention whose memory is linear in sequence length (training and logprob passes).
+
+A fused kernel where the backend has one (cuDNN on GPU, half precision); elsewhere blockwise
+attention with an online softmax and a recomputing backward, so no [T, T] score matrix is kept.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def has_fused_kernel(dtype) -> bool:
+  """cuDNN's fused attention: GPU backend, float16 or bfloat16 inputs."""
+  return jax.default_backend() == "gpu" and jnp.dtype(dtype) in (jnp.float16, jnp.bfloat16)
+
+
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int,
+                     fused: bool | None = None) -> jax.Array:
+  """Causal grouped-query attention over token index. q [B, T, H, Dh], k/v [B, T, Hkv, Dh]
+  -> [B, T, H, Dh]. `block` (static) is the query/key block of the chunked path; `fused`
+  None picks cuDNN where `has_fused_kernel` says it exists."""
+  if fused is None:
+    fused = has_fused_kernel(q.dtype)
+  if fused:
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+  if block <= 0:  # dense: one block holding the whole sequence
+    return chunked_attention(q, k, v, block=q.shape[1])[0]
+  return chunked_attention(q, k, v, block=block)[0]
+
+
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                      *, block: int) -> tuple[jax.Array, jax.Array]:
+  """(out [B, T, H, Dh], logsumexp of the scaled scores float32[B, T, H]) of causal GQA, computed
+  block x block; both outputs are differentiable (the logsumexp lets callers merge more keys)."""
+  b, t, h, dh = q.shape
+  hkv = k.shape[2]
+  blk = max(1, min(int(block), t))
+  pad = -t % blk
+  if pad:
+    widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    q, k, v = widen(q), widen(k), widen(v)
+  # [n, B, blk, Hkv, G, Dh]: blocks first, for lax.map / scan
+  qb = q.reshape(b, -1, blk, hkv, h // hkv, dh).transpose(1, 0, 2, 3, 4, 5)
+  kb = k.reshape(b, -1, blk, hkv, dh).transpose(1, 0, 2, 3, 4)
+  vb = v.reshape(b, -1, blk, hkv, dh).transpose(1, 0, 2, 3, 4)
+  out, lse = _flash(qb, kb, vb)
+  out = out.transpose(1, 0, 2, 3, 4, 5).reshape(b, -1, h, dh)[:, :t]
+  lse = lse.transpose(1, 0, 2, 3, 4).reshape(b, -1, h)[:, :t]
+  return out, lse
+
+
+def _block_scores(qi, kj, i, j):
+  """Scaled float32 scores [B, blk, Hkv, G, blk] of query block i against key block j, and the
+  causal mask (padding sits at the end, after every real position, so it never leaks in)."""
+  blk, dh = qi.shape[1], qi.shape[-1]
+  s = jnp.einsum("bqkgd,bskd->bqkgs", qi, kj, preferred_element_type=jnp.float32)
+  s = s / math.sqrt(dh)
+  qpos = i * blk + jnp.arange(blk)
+  kpos = j * blk + jnp.arange(blk)
+  mask = (kpos[None, :] <= qpos[:, None])[None, :, None, None, :]
+  return s, mask
+
+
+@jax.custom_vjp
+def _flash(qb, kb, vb):
+  return _flash_fwd(qb, kb, vb)[0]
+
+
+def _flash_forward(qb, kb, vb):
+  n = qb.shape[0]
+  shape = qb.shape[1:-1]  # B, blk, Hkv, G
+
+  def query_block(args):
+    i, qi = args
+
+    def key_block(carry, j):
+      def visit(carry):
+        m, l, acc = carry
+        s, mask = _block_scores(qi, kb[j], i, j)
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        scale = jnp.exp(m - m_new)
+        pv = jnp.einsum("bqkgs,bskd->bqkgd", p.astype(vb.dtype), vb[j],
+                        preferred_element_type=jnp.float32)
+        return m_new, l * scale + p.sum(-1), acc * scale[..., None] + pv
+
+      # blocks above the diagonal are fully masked: skip their work
+      return jax.lax.cond(j <= i, visit, lambda c: c, carry), None
+
+    init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (qb.shape[-1],), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(key_block, init, jnp.arange(n))
+    l = jnp.maximum(l, 1e-30)  # padded query rows see nothing
+    return (acc / l[..., None]).astype(qb.dtype), m + jnp.log(l)
+
+  return jax.lax.map(query_block, (jnp.arange(n), qb))
+
+
+def _flash_fwd(qb, kb, vb):
+  out, lse = _flash_forward(qb, kb, vb)
+  return (out, lse), (qb, kb, vb, out, lse)
+
+
+def _flash_bwd(res, cts):
+  qb, kb, vb, out, lse = res
+  dout, dlse = cts
+  n, dh = qb.shape[0], qb.shape[-1]
+  dout = dout.astype(jnp.float32)
+  # d score = p * (dp - delta); a cotangent on lse adds p * dlse
+  delta = jnp.sum(dout * out.astype(jnp.float32), axis=-1) - dlse.astype(jnp.float32)
+  inv = 1.0 / math.sqrt(dh)
+
+  def grads_of(i, j):
+    s, mask = _block_scores(qb[i], kb[j], i, j)
+    p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
+    dp = jnp.einsum("bqkgd,bskd->bqkgs", dout[i], vb[j].astype(jnp.float32))
+    ds = p * (dp - delta[i][..., None])
+    return p, ds
+
+  def dq_block(i):
+    def body(acc, j):
+      def visit(acc):
+        _, ds = grads_of(i, j)
+        return acc + jnp.einsum("bqkgs,bskd->bqkgd", ds, kb[j].astype(jnp.float32)) * inv
+      return jax.lax.cond(j <= i, visit, lambda a: a, acc), None
+
+    acc, _ = jax.lax.scan(body, jnp.zeros(qb.shape[1:], jnp.float32), jnp.arange(n))
+    return acc
+
+  def dkv_block(j):
+    def body(acc, i):
+      def visit(acc):
+        dk, dv = acc
+        p, ds = grads_of(i, j)
+        dv = dv + jnp.einsum("bqkgs,bqkgd->bskd", p, dout[i])
+        dk = dk + jnp.einsum("bqkgs,bqkgd->bskd", ds, qb[i].astype(jnp.float32)) * inv
+        return dk, dv
+      return jax.lax.cond(j <= i, visit, lambda a: a, acc), None
+
+    zeros = jnp.zeros(kb.shape[1:], jnp.float32)
+    (dk, dv), _ = jax.lax.scan(body, (zeros, zeros), jnp.arange(n))
+    return dk, dv
+
+  dq = jax.lax.map(dq_block, jnp.arange(n))
+  dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
+  return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)

@@ -1,0 +1,147 @@
+"""Memory-linear attention and per-layer rematerialisation equal the dense decoder (values, grads)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.models import Decoder, ModelConfig
+from specjax.models.attention import (
+  causal_attention,
+  chunked_attention,
+  has_fused_kernel,
+)
+from specjax.models.layers import attend, causal_mask
+
+B, T, H, HKV, DH = 2, 37, 4, 2, 8
+
+
+@pytest.fixture(scope="module")
+def qkv():
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (B, T, H, DH))
+  k = jax.random.normal(ks[1], (B, T, HKV, DH))
+  v = jax.random.normal(ks[2], (B, T, HKV, DH))
+  w = jax.random.normal(ks[3], (B, T, H, DH))
+  return q, k, v, w
+
+
+def _dense_with_lse(q, k, v):
+  pos = jnp.broadcast_to(jnp.arange(q.shape[1]), q.shape[:2])
+  mask = causal_mask(pos, pos)
+  kk = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
+  s = jnp.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(q.shape[-1])
+  lse = jax.nn.logsumexp(jnp.where(mask[:, None], s, -1e30), axis=-1).transpose(0, 2, 1)
+  return attend(q, k, v, mask), lse
+
+
+@pytest.mark.parametrize("block", [1, 8, 64])
+def test_chunked_attention_equals_dense_attention_and_its_logsumexp(qkv, block):
+  q, k, v, _ = qkv
+  out, lse = jax.jit(chunked_attention, static_argnames="block")(q, k, v, block=block)
+  ref_out, ref_lse = _dense_with_lse(q, k, v)
+  np.testing.assert_allclose(out, ref_out, atol=2e-6)
+  np.testing.assert_allclose(lse, ref_lse, atol=2e-6)
+
+
+@pytest.mark.parametrize("block", [8, 64])
+def test_chunked_attention_gradients_equal_dense_gradients(qkv, block):
+  q, k, v, w = qkv
+
+  def loss(fn):
+    def f(q, k, v):
+      out, lse = fn(q, k, v)
+      return jnp.sum(out * w) + jnp.sum(jnp.sin(lse))  # cotangents on both outputs
+    return f
+
+  got = jax.jit(jax.grad(loss(lambda *a: chunked_attention(*a, block=block)), (0, 1, 2)))(q, k, v)
+  want = jax.grad(loss(_dense_with_lse), (0, 1, 2))(q, k, v)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+def test_causal_attention_uses_the_chunked_path_on_cpu_and_block_zero_is_dense(qkv):
+  q, k, v, _ = qkv
+  assert not has_fused_kernel(jnp.bfloat16) or jax.default_backend() == "gpu"
+  ref, _ = _dense_with_lse(q, k, v)
+  attn = jax.jit(causal_attention, static_argnames="block")
+  np.testing.assert_allclose(attn(q, k, v, block=0), ref, atol=2e-6)
+  np.testing.assert_allclose(attn(q, k, v, block=5), ref, atol=2e-6)
+
+
+CFG = ModelConfig(vocab_size=48, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
+                  head_dim=8, mlp_hidden=64, mtp=True)
+
+
+@pytest.fixture(scope="module")
+def dense_model():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def tokens():
+  return jax.random.randint(jax.random.key(1), (2, 21), 0, CFG.vocab_size)
+
+
+def _with_config(model, **kw):
+  state = nnx.state(model)
+  other = Decoder(CFG.replace(**kw), rngs=nnx.Rngs(0))
+  return nnx.merge(nnx.graphdef(other), state)
+
+
+def _forward(model, tokens):
+  graphdef, state = nnx.split(model)
+  return jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, tokens)
+
+
+def _loss_and_grads(model, tokens):
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  @jax.value_and_grad
+  def loss(state):
+    m = nnx.merge(graphdef, state)
+    out = m(tokens)
+    mtp = m.mtp_forward(out.hidden[:, :-1], tokens[:, 1:])
+    return (jnp.mean(jax.nn.log_softmax(out.logits)[..., 0]) + jnp.mean(out.aux_hidden ** 2)
+            + jnp.mean(jax.nn.log_softmax(mtp.logits)[..., 1]))
+
+  return loss(state)
+
+
+@pytest.fixture(scope="module")
+def dense_reference(dense_model, tokens):
+  return _forward(dense_model, tokens), _loss_and_grads(dense_model, tokens)
+
+
+@pytest.mark.parametrize("kw", [{"attention_block": 8, "remat": "full"},
+                                {"remat": "dots"}])
+def test_decoder_with_linear_attention_and_remat_equals_dense_decoder(dense_model, tokens,
+                                                                      dense_reference, kw):
+  model = _with_config(dense_model, **kw)
+  ref, (ref_loss, ref_grads) = dense_reference
+  out = _forward(model, tokens)
+  np.testing.assert_allclose(out.logits, ref.logits, atol=1e-5)
+  np.testing.assert_allclose(out.aux_hidden, ref.aux_hidden, atol=1e-5)
+  loss, grads = _loss_and_grads(model, tokens)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, atol=1e-6)
+
+
+def test_cached_decode_is_unaffected_by_the_attention_block(dense_model, tokens):
+  model = _with_config(dense_model, attention_block=4)
+  cache = model.init_cache(2, 32)
+  out = model(tokens, cache=cache)
+  ref = dense_model(tokens, cache=dense_model.init_cache(2, 32))
+  np.testing.assert_allclose(out.logits, ref.logits, atol=1e-5)
+
+
+def test_model_config_rejects_bad_attention_block_and_remat():
+  with pytest.raises(ValueError, match="ModelConfig.attention_block"):
+    ModelConfig(attention_block=-1)
+  with pytest.raises(ValueError, match="ModelConfig.remat"):
+    ModelConfig(remat="some")
+  assert hash(ModelConfig(attention_block=8, remat="dots")) == hash(
+      ModelConfig(attention_block=8, remat="dots"))
