@@ -9,6 +9,7 @@ from flax import nnx
 from specjax.models import Decoder, ModelConfig
 from specjax.models.attention import (
   causal_attention,
+  causal_attention_with_own_keys,
   chunked_attention,
   has_fused_kernel,
 )
@@ -145,3 +146,22 @@ def test_model_config_rejects_bad_attention_block_and_remat():
     ModelConfig(remat="some")
   assert hash(ModelConfig(attention_block=8, remat="dots")) == hash(
       ModelConfig(attention_block=8, remat="dots"))
+
+
+def test_attention_with_own_keys_equals_masked_attention_over_all_keys(qkv):
+  # EAGLE-3 TTT step 2 of 3: causal over block 0, the same position only in blocks 1 and 2
+  q, k, v, w = qkv
+  extra = [jax.random.normal(jax.random.key(i), (2,) + k.shape) for i in (5, 6)]
+  own_k, own_v = [e[0] for e in extra], [e[1] for e in extra]
+  eye = jnp.eye(T, dtype=bool)
+  mask = jnp.concatenate([jnp.tril(jnp.ones((T, T), bool)), eye, eye], axis=1)[None]
+  keys, vals = jnp.concatenate([k] + own_k, axis=1), jnp.concatenate([v] + own_v, axis=1)
+  dense = lambda q, k, v: attend(q, jnp.concatenate([k] + own_k, 1),
+                                 jnp.concatenate([v] + own_v, 1), mask)
+  linear = lambda q, k, v: causal_attention_with_own_keys(q, k, v, own_k, own_v, block=8)
+  np.testing.assert_allclose(jax.jit(linear)(q, k, v), attend(q, keys, vals, mask), atol=2e-6)
+  objective = lambda fn: lambda *a: jnp.sum(fn(*a) * w)
+  got = jax.jit(jax.grad(objective(linear), (0, 1, 2)))(q, k, v)
+  want = jax.grad(objective(dense), (0, 1, 2))(q, k, v)
+  for g, r in zip(got, want):
+    np.testing.assert_allclose(g, r, atol=1e-5)

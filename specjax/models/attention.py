@@ -152,3 +152,30 @@ def _flash_bwd(res, cts):
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def causal_attention_with_own_keys(q: jax.Array, k: jax.Array, v: jax.Array,
+                                   own_k: list[jax.Array], own_v: list[jax.Array], *,
+                                   block: int) -> jax.Array:
+  """Causal GQA over (k, v) plus, for each query position t, the extra keys own_k[j][:, t] (values
+  own_v[j][:, t]) seen by that position only: EAGLE-3's training-time-test attention, where the
+  step-i query sees the target-feature keys causally and its own chain's keys at t. Shapes as in
+  `causal_attention`; memory linear in T."""
+  b, t, h, dh = q.shape
+  hkv = k.shape[2]
+  out, lse = chunked_attention(q, k, v, block=block if block > 0 else t)
+  if not own_k:
+    return out
+  qg = q.reshape(b, t, hkv, h // hkv, dh).astype(jnp.float32)
+  # scores of the own keys [n, B, T, Hkv, G] and the merged softmax over {causal block, own keys}
+  s = jnp.stack([jnp.einsum("btkgd,btkd->btkg", qg, kj.astype(jnp.float32)) for kj in own_k])
+  s = s / math.sqrt(dh)
+  lse = lse.reshape(b, t, hkv, h // hkv)
+  m = jnp.maximum(lse, jnp.max(s, axis=0))
+  w_causal = jnp.exp(lse - m)
+  w_own = jnp.exp(s - m)
+  norm = w_causal + w_own.sum(0)
+  vals = jnp.stack([vj.astype(jnp.float32) for vj in own_v])  # [n, B, T, Hkv, Dh]
+  mixed = (w_causal[..., None] * out.reshape(b, t, hkv, h // hkv, dh).astype(jnp.float32)
+           + jnp.einsum("nbtkg,nbtkd->btkgd", w_own, vals))
+  return (mixed / norm[..., None]).reshape(b, t, h, dh).astype(q.dtype)

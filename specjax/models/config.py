@@ -56,6 +56,9 @@ class ModelConfig:
   # Rematerialisation of each decoder layer in full-sequence forwards: "none" keeps every
   # activation for the backward pass, "full" keeps only layer inputs, "dots" keeps matmul outputs.
   remat: str = "none"
+  # Losses and logprobs of full-sequence forwards: LM-head logits this many positions at a time
+  # (`specjax.models.chunked`), never [B, T, V] at once; 0 = all positions in one piece.
+  logits_chunk: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
@@ -71,6 +74,8 @@ class ModelConfig:
            f"must be one of {sorted(DTYPES)}, got {self.param_dtype!r}")
     _check(self.attention_block >= 0, "attention_block",
            f"must be >= 0 (0 = dense), got {self.attention_block}")
+    _check(self.logits_chunk >= 0, "logits_chunk", f"must be >= 0 (0 = whole sequence), got "
+           f"{self.logits_chunk}")
     _check(self.remat in REMAT_POLICIES, "remat",
            f"must be one of {list(REMAT_POLICIES)}, got {self.remat!r}")
     if self.aux_layers is not None:

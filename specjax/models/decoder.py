@@ -82,6 +82,10 @@ class Decoder(nnx.Module):
   def embed_tokens(self, tokens: jax.Array) -> jax.Array:
     return jnp.take(self.embed[...], tokens, axis=0).astype(self.cfg.compute_dtype)
 
+  def head_weight(self) -> jax.Array:
+    """The LM head [d, V] (the embedding's transpose when tied)."""
+    return self.embed[...].T if self.lm_head is None else self.lm_head[...]
+
   def head(self, hidden: jax.Array, norm: RMSNorm | None = None) -> jax.Array:
     """Final norm (the decoder's, or `norm`) + LM head, float32 logits."""
     h = (norm or self.final_norm)(hidden)

@@ -107,15 +107,7 @@ class Attention(nnx.Module):
     written at `write_at[b]`; without it, the fresh k/v of this call. `visible` (static): attend
     over the first `visible` cache positions only (mask [B, T, visible])."""
     dt = self.dtype
-    x = x.astype(dt)
-    q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
-    if self.q_norm is not None:
-      q, k = self.q_norm(q), self.k_norm(k)
-    inv_freq = rope_frequencies(*self.rope)
-    q = apply_rope(q, positions, inv_freq)
-    k = apply_rope(k, positions, inv_freq)
+    q, k, v = self.project(x, positions)
     if kv is not None:
       k = write_rows(kv[0], k, write_at)
       v = write_rows(kv[1], v, write_at)
@@ -124,7 +116,23 @@ class Attention(nnx.Module):
     else:
       ks, vs = (k, v) if visible is None else (k[:, :visible], v[:, :visible])
       out = attend(q, ks.astype(dt), vs.astype(dt), mask)
-    return jnp.einsum("bthk,hkd->btd", out, self.o_proj[...].astype(dt)), (k, v)
+    return self.output(out), (k, v)
+
+  def project(self, x, positions):
+    """q [B,T,H,Dh], k and v [B,T,Hkv,Dh] of inputs x [B,T,d] at `positions` (RoPE applied)."""
+    dt = self.dtype
+    x = x.astype(dt)
+    q = jnp.einsum("btd,dhk->bthk", x, self.q_proj[...].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", x, self.k_proj[...].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", x, self.v_proj[...].astype(dt))
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    inv_freq = rope_frequencies(*self.rope)
+    return apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq), v
+
+  def output(self, attended):
+    """Output projection of attended values [B,T,H,Dh] -> [B,T,d]."""
+    return jnp.einsum("bthk,hkd->btd", attended, self.o_proj[...].astype(self.dtype))
 
 
 class MLP(nnx.Module):
