@@ -191,7 +191,11 @@ def run_validation(a: argparse.Namespace) -> dict:
           f"{out['held_out_by_group']}\nheld-out rollouts x load factor: "
           f"{out['held_out_rollouts_load_scaled']}")
   if a.plot:
-    report.validation_plot(out["rows"], a.plot, "specjax on CPU: predicted vs measured")
+    from specjax.sim.factors import efficiency_for
+    paper = [{"case": r["case"], "measured_s": r["measured_s"], "predicted_s": r["simulated_s"],
+              "group": "paper", "split": "fit" if r["weight"] >= 0.5 else "low weight"}
+             for r in calibrate.report(calibrate.paper_cases(), efficiency_for("gb200"))]
+    report.validation_plot(out["rows"], a.plot, paper)
   if a.save:
     os.makedirs(os.path.dirname(os.path.abspath(a.save)), exist_ok=True)
     with open(a.save, "w") as f:

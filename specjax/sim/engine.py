@@ -184,7 +184,7 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
     raise ValueError(f"run_engine: rates need max_draft_len={cfg.max_draft_len} entries, "
                      f"got {len(rates)}")
   fixed = dict(k_per_bucket or {})
-  adaptive = cfg.adaptive and not fixed
+  adaptive = cfg.adaptive and not fixed  # choose K here (else as measured / fixed)
   buckets = cfg.buckets() if cfg.compact else [cfg.batch]
   # Work per row in committed tokens after the prefill's first one, with acceptance noise at
   # the K of the first bucket.
@@ -225,7 +225,7 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
       limits.append(window - k - 1 - cfg.prompt_len - 1)
     target = max(min(limits), done_tokens + 1e-6)
     iters = max(1, math.ceil((target - done_tokens) / mean - 1e-9))
-    if adaptive:
+    if cfg.adaptive:  # the engine re-decides K after a growing iteration budget
       j = budget.get(bucket, (k, 0))[1] if budget.get(bucket, (k, 0))[0] == k else 0
       iters = min(iters, cfg.first_segment_iters << j, cfg.max_segment_iters)
       budget[bucket] = (k, j + 1)

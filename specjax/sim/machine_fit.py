@@ -195,14 +195,14 @@ def quantile_lengths(quantiles: Sequence[float], batch: int) -> np.ndarray:
   return np.interp(at, np.linspace(0, 1, len(q)), np.sort(q))
 
 
-def engine_cases(path: str, measured_k: bool = False) -> tuple[list[StepCase],
+def engine_cases(path: str, measured_k: bool = True) -> tuple[list[StepCase],
                                                                  list[RolloutCase]]:
   """Startup-calibration steps and arm rollouts from a bench_engine.py JSON (schema in
   docs/SIMULATOR.md). Arms name their engine (ar_static, ar_compact, spec_static,
   spec_compact, spec_adaptive); spec arms draft with the JSON's calibration drafter. Optional
   per-arm `lengths` (else config.length_quantiles) and `per_position_acceptance_rate` (else
-  derived from acceptance_length). `measured_k`: adaptive arms keep the K per bucket they chose
-  (else the model chooses)."""
+  derived from acceptance_length). `measured_k`: adaptive arms keep the K per bucket the engine
+  chose from its (noisy) startup timings; False: the model chooses K from its own costs."""
   with open(path) as f:
     data = json.load(f)
   cfgj = _need(data, "config", path)

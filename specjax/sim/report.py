@@ -96,35 +96,41 @@ def sweep_plot(rows: Sequence[Comparison], key: str, path: str) -> str:
   return path
 
 
-def validation_plot(rows: Sequence[dict], path: str, title: str = "") -> str:
-  """Predicted vs measured seconds (log-log), one marker per split / group, y = x and +-20%."""
+def validation_plot(rows: Sequence[dict], path: str, paper_rows: Sequence[dict] = ()) -> str:
+  """Predicted vs measured seconds (log-log), y = x and +-20% lines: specjax's CPU cases by
+  split / group (left) and, if given, the published GB200 cases (right)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
-  fig, ax = plt.subplots(figsize=(5.2, 4.6))
+  panels = [("specjax on a 2-core CPU", rows)] + (
+      [("NeMo-RL Qwen3-8B, 32 GB200", paper_rows)] if paper_rows else [])
+  fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.4))
+  axes = [axes] if len(panels) == 1 else list(axes)
   markers = {"forward": "o", "step": "^", "rollout": "s", "paper": "D"}
-  keys = sorted({(r.get("split", "fit"), r.get("group", "rollout")) for r in rows})
-  for split, group in keys:
-    sel = [r for r in rows if r.get("split", "fit") == split and r.get("group") == group]
-    ax.scatter([r["measured_s"] for r in sel], [r["predicted_s"] for r in sel], s=16,
-               marker=markers.get(group, "o"), alpha=0.75,
-               facecolors="none" if split == "fit" else None, label=f"{group} ({split})")
-  lo = min(min(r["measured_s"], r["predicted_s"]) for r in rows) / 1.5
-  hi = max(max(r["measured_s"], r["predicted_s"]) for r in rows) * 1.5
-  xs = [lo, hi]
-  ax.plot(xs, xs, "k-", lw=0.8)
-  ax.plot(xs, [1.2 * x for x in xs], "k:", lw=0.6)
-  ax.plot(xs, [x / 1.2 for x in xs], "k:", lw=0.6)
-  ax.set_xscale("log")
-  ax.set_yscale("log")
-  ax.set_xlabel("measured (s)")
-  ax.set_ylabel("predicted (s)")
-  ax.set_title(title, fontsize=9)
-  ax.legend(fontsize=7)
-  ax.grid(alpha=0.3)
+  for ax, (title, rs) in zip(axes, panels):
+    keys = sorted({(r.get("split", "fit"), r.get("group", "rollout")) for r in rs})
+    for split, group in keys:
+      sel = [r for r in rs if r.get("split", "fit") == split and r.get("group") == group]
+      ax.scatter([r["measured_s"] for r in sel], [r["predicted_s"] for r in sel], s=18,
+                 marker=markers.get(group, "o"), alpha=0.8,
+                 facecolors="none" if split == "fit" else None,
+                 edgecolors=None if split != "fit" else f"C{len(ax.collections)}",
+                 label=f"{group} ({split})")
+    lo = min(min(r["measured_s"], r["predicted_s"]) for r in rs) / 1.5
+    hi = max(max(r["measured_s"], r["predicted_s"]) for r in rs) * 1.5
+    ax.plot([lo, hi], [lo, hi], "k-", lw=0.8)
+    ax.plot([lo, hi], [1.2 * lo, 1.2 * hi], "k:", lw=0.6, label="+-20%")
+    ax.plot([lo, hi], [lo / 1.2, hi / 1.2], "k:", lw=0.6)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("measured (s)")
+    ax.set_ylabel("predicted (s)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
   fig.tight_layout()
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  fig.savefig(path, dpi=80)
+  fig.savefig(path, dpi=72)
   plt.close(fig)
   return path
