@@ -11,6 +11,7 @@ from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (DraftModelDrafter, GroupNgramDrafter, NgramDrafter, SamplingConfig,
                               Sequences, generate, speculative_generate, truncated_copy)
 from specjax.sampling import ngram
+from specjax.sampling.engine import STATIC
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                   head_dim=16, mlp_hidden=64, init_std=0.5)
@@ -96,7 +97,7 @@ def test_truncated_copy_shares_the_targets_layers_embedding_and_head(target):
 
 @pytest.fixture(scope="module")
 def ar_greedy(target):
-  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY)
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
   # the fixture covers what it should: EOS rows and rows at the limit, ending at different steps
   assert list(np.asarray(out.eos)) == [False, True, False, True], out.tokens
   assert list(np.asarray(out.lengths)) == [16, 11, 16, 8], out.lengths
@@ -111,14 +112,14 @@ def make_drafter(name, k, target):
   return DraftModelDrafter.from_model(truncated_copy(target, 1), k)
 
 
-# K in {1, 2, 3, 5} for the n-gram drafter, the edges for the others (each pair is one compile;
-# test_speculative covers a draft model at K = 3)
+# K in {1, 2, 3, 5} for the n-gram drafter, the edges for the others (each pair is one compile
+# of the plain loop: these tests pin the drafters; test_engine covers compaction and adaptive K)
 @pytest.mark.parametrize("name,k", [("ngram", 1), ("ngram", 2), ("ngram", 3), ("ngram", 5),
                                     ("group_ngram", 3), ("draft_model", 1), ("draft_model", 5)])
 def test_greedy_speculative_equals_greedy_autoregressive(target, ar_greedy, name, k):
   drafter, params = make_drafter(name, k, target)
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
-                             GREEDY)
+                             GREEDY, engine=STATIC)
   for field in ("tokens", "mask", "lengths", "eos", "sequences", "sequence_mask"):
     np.testing.assert_array_equal(getattr(out, field), getattr(ar_greedy, field), err_msg=field)
   np.testing.assert_allclose(out.logprobs, ar_greedy.logprobs, atol=1e-5)

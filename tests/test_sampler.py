@@ -10,7 +10,7 @@ from flax import nnx
 import stats
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import SamplingConfig, generate, process_logits
-from specjax.sampling import ar
+from specjax.sampling import engine
 
 # the same tiny target, prompts and configs as test_drafters / test_speculative (shared programs)
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -100,12 +100,12 @@ def test_rollout_layout_pads_after_the_end_and_joins_prompt_and_completion(filte
 def test_new_policy_params_reuse_the_compiled_program(target):
   graphdef, params = nnx.split(target)
   generate((graphdef, params), PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY)
-  before = ar._generate_jit._cache_size()
+  before = engine.compiled_programs()
   for scale in (1.01, 0.99):
     new = jax.tree.map(lambda x: x * scale, params)
     jax.block_until_ready(generate((graphdef, new), PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
                                    GREEDY).tokens)
-  assert ar._generate_jit._cache_size() == before
+  assert engine.compiled_programs() == before
 
 
 def test_bad_inputs_raise_clear_errors(target):

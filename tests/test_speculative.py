@@ -1,5 +1,6 @@
 """The speculative loop: EOS inside accepted windows, per-row length limits, acceptance counts,
-the distribution of temperature-1 rollouts versus AR sampling, target logprobs, bad inputs."""
+the distribution of temperature-1 rollouts versus AR sampling (with the engine's defaults:
+live-batch compaction and adaptive draft length on), target logprobs, bad inputs."""
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ from flax import nnx
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, NgramDrafter, SamplingConfig,
                               generate, speculative_generate)
-from specjax.sampling import speculative
+from specjax.sampling import engine, speculative
+from specjax.sampling.engine import STATIC
 import stats
 
 # the same tiny target, prompts and greedy config as test_drafters (programs are shared)
@@ -36,7 +38,7 @@ def greedy_runs(target):
   ar = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY)
   drafter, params = DraftModelDrafter.from_model(target, K)
   spec = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS,
-                              jax.random.key(1), GREEDY)
+                              jax.random.key(1), GREEDY, engine=STATIC)  # K = 3 at every step
   return ar, spec, drafter, params
 
 
@@ -79,12 +81,12 @@ def test_rows_reaching_max_new_tokens_mid_window_are_truncated(greedy_runs):
 def test_new_target_params_reuse_the_compiled_loop(target, greedy_runs):
   _, _, drafter, params = greedy_runs
   graphdef, target_params = nnx.split(target)
-  before = speculative._speculative_jit._cache_size()
+  before = engine.compiled_programs()
   shifted = jax.tree.map(lambda x: x * 1.01, target_params)
   out = speculative_generate((graphdef, shifted), drafter, params, PROMPTS, PROMPT_LENGTHS,
-                             jax.random.key(1), GREEDY)
+                             jax.random.key(1), GREEDY, engine=STATIC)
   jax.block_until_ready(out.tokens)
-  assert speculative._speculative_jit._cache_size() == before
+  assert engine.compiled_programs() == before
 
 
 def test_bad_inputs_raise_clear_errors(target, greedy_runs):

@@ -55,6 +55,8 @@ class Rollout:
   prompt_lengths: jax.Array  # int32[B]
   num_steps: Any = None  # int32[] batch forward steps after the prefill (AR decode / verify)
   stats: Any = None  # speculative loop only: per-row `metrics.AcceptanceCounts`
+  # the engine's segments as they ran (`engine.Segment`: bucket, K, window, steps, time)
+  segments: tuple = struct.field(pytree_node=False, default=())
 
 
 def split_model(model) -> tuple[nnx.GraphDef, Any]:
@@ -108,7 +110,7 @@ def is_eos(tokens: jax.Array, eos_ids: tuple[int, ...]) -> jax.Array:
 
 
 def finish(prompts, prompt_lengths, tokens, logprobs, lengths, cfg: SamplingConfig,
-           num_steps=None, stats=None) -> Rollout:
+           num_steps=None, stats=None, segments: tuple = ()) -> Rollout:
   """Rollout from completion buffers (width >= N): pad after each row's end, build sequences."""
   n = cfg.max_new_tokens
   tokens, logprobs = tokens[:, :n], logprobs[:, :n]
@@ -126,4 +128,4 @@ def finish(prompts, prompt_lengths, tokens, logprobs, lengths, cfg: SamplingConf
                  lengths=lengths.astype(jnp.int32), eos=is_eos(last, cfg.eos_ids) & (lengths > 0),
                  sequences=seq, sequence_mask=seq_mask,
                  prompt_lengths=prompt_lengths.astype(jnp.int32), num_steps=num_steps,
-                 stats=stats)
+                 stats=stats, segments=segments)

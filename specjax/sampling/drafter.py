@@ -16,7 +16,9 @@ first sampled token at the end of each row. After a verify step, `input_tokens` 
 tokens. An EAGLE-3 head pairs `target.aux_hidden[b, t]` with `next_tokens[b, t]`; a draft model
 feeds `input_tokens`; an n-gram drafter ignores both and reads `seq`.
 
-Rows that are finished keep being stepped (static shapes); their proposals are ignored.
+Rows that are finished keep being stepped (static shapes); their proposals are ignored. Every
+array of a drafter's state has the rows on its leading axis: the engine gathers rows of it when it
+compacts the live batch, and sets `KVCache.window` on every cache in it.
 """
 
 from __future__ import annotations
@@ -57,6 +59,18 @@ class Drafter:
   draft_len: int
   vocab_size: int | None = None
   temperature: float = 1.0
+
+  @property
+  def stateful(self) -> bool:
+    """The drafter keeps state that must observe every committed token (EAGLE-3, MTP): the
+    engine then lets it observe plain AR steps too, so drafting can resume after them."""
+    return True
+
+  @property
+  def row_local(self) -> bool:
+    """A row's drafts depend only on that row (not on its neighbours in the batch), so rows may
+    be regrouped into smaller buckets (live-batch compaction)."""
+    return True
 
   def init(self, params: Any, batch: int, cache_size: int) -> Any:
     return ()

@@ -1,0 +1,329 @@
+"""Rollout-engine benchmark on an RL-shaped workload: static loop vs live-batch compaction vs
+adaptive speculation, EAGLE-3 and n-gram drafters, plus a no-acceptance control.
+
+  python experiments/bench_engine.py --quick            # about 8 minutes on 2 CPU cores
+  python experiments/bench_engine.py                    # also sweeps the batch size
+
+Workload: P prompts x G samples (GRPO groups), temperature 1, a random-weight target of ~29M
+parameters (hidden 512, 8 layers, vocab 8192: memory-bound decode at a small live batch on a CPU)
+with a peaked next-token distribution (init std 0.2, so an EAGLE-3 head can learn it). The
+end-of-sequence set is chosen from the target's own samples so that completion lengths are
+long-tailed (10th/50th/90th percentile near 10/25/100% of max_new_tokens), as in RL. The EAGLE-3
+head (reduced draft vocabulary) is trained offline on the target's rollouts (TTT loss).
+
+Arms (same prompts and keys): ar_static (plain full-batch loop), ar_compact (compaction + attention
+window), spec_static (fixed K=3, full batch, the old loop), spec_adaptive (compaction + window +
+K chosen per bucket); each for both drafters. --no-accept adds a target whose drafts are never
+accepted (init std 0.02: a near-uniform distribution) at batch 1, 8, 32: adaptivity must cost
+nothing there. Every arm runs once untimed (compiles, calibrates), then --repeats timed runs
+(median). Prints tables, writes JSON. Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specjax.eagle import DraftTrainConfig, eagle3_drafter, train_draft_head  # noqa: E402
+from specjax.models import Decoder, ModelConfig  # noqa: E402
+from specjax.sampling import (AcceptanceMetrics, NgramDrafter, SamplingConfig,  # noqa: E402
+                              generate, speculative_generate)
+from specjax.sampling import engine as eng  # noqa: E402
+from specjax.sampling.engine import STATIC, EngineConfig  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="one batch size, fewer repeats")
+  m = p.add_argument_group("target (random weights)")
+  m.add_argument("--hidden", type=int, default=512)
+  m.add_argument("--layers", type=int, default=8)
+  m.add_argument("--heads", type=int, default=8)
+  m.add_argument("--kv-heads", type=int, default=4)
+  m.add_argument("--head-dim", type=int, default=64)
+  m.add_argument("--vocab", type=int, default=8192)
+  m.add_argument("--init-std", type=float, default=0.2)
+  w = p.add_argument_group("workload")
+  w.add_argument("--prompts", type=int, default=2, help="prompts per batch")
+  w.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
+  w.add_argument("--batch-sweep", type=int, nargs="+", default=[8, 16, 32],
+                 help="full mode: batch sizes (prompts x G)")
+  w.add_argument("--prompt-len", type=int, default=32)
+  w.add_argument("--max-new", type=int, default=128)
+  w.add_argument("--temperature", type=float, default=1.0)
+  w.add_argument("--median-frac", type=float, default=0.25,
+                 help="target median completion length / max_new (EOS set chosen to match)")
+  d = p.add_argument_group("drafters")
+  d.add_argument("--static-k", type=int, default=3)
+  d.add_argument("--max-draft-len", type=int, default=4)
+  d.add_argument("--draft-vocab", type=int, default=1024)
+  d.add_argument("--eagle-steps", type=int, default=150)
+  d.add_argument("--drafters", nargs="+", default=["eagle3", "ngram"],
+                 choices=["eagle3", "ngram"])
+  p.add_argument("--no-accept", action="store_true", help="add the no-acceptance control")
+  p.add_argument("--no-accept-batches", type=int, nargs="+", default=[1, 8, 32])
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="runs/bench_engine.json")
+  a = p.parse_args(argv)
+  if a.quick:
+    a.repeats = min(a.repeats, 2)
+  return a
+
+
+def model_config(a, init_std: float) -> ModelConfig:
+  return ModelConfig(vocab_size=a.vocab, hidden_size=a.hidden, num_layers=a.layers,
+                     num_heads=a.heads, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
+                     mlp_hidden=3 * a.hidden, tie_embeddings=False, init_std=init_std)
+
+
+def make_prompts(a, rng, n_prompts: int) -> tuple[jax.Array, jax.Array]:
+  """n_prompts ragged random prompts, each repeated G times (consecutive rows, as in GRPO)."""
+  toks = rng.integers(3, a.vocab, (n_prompts, a.prompt_len))
+  lens = rng.integers(a.prompt_len // 2, a.prompt_len + 1, n_prompts)
+  toks = np.where(np.arange(a.prompt_len)[None] < lens[:, None], toks, 0)
+  return (jnp.asarray(np.repeat(toks, a.group, 0), jnp.int32),
+          jnp.asarray(np.repeat(lens, a.group, 0), jnp.int32))
+
+
+def choose_eos(a, target, rng) -> tuple[tuple[int, ...], dict]:
+  """The EOS set: frequent tokens of the target's own samples, added until the median
+  completion would end at median_frac * max_new (rows that never emit one run to the limit)."""
+  prompts, lens = make_prompts(a, rng, 16)
+  cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature)
+  out = generate(target, prompts, lens, jax.random.key(a.seed + 99), cfg, engine=STATIC)
+  toks = np.asarray(out.tokens)
+  n = a.max_new
+  first = np.full((toks.shape[0], a.vocab), n, np.int64)  # first position of each token + 1
+  for r in range(toks.shape[0]):
+    for t in range(n - 1, -1, -1):
+      first[r, toks[r, t]] = t + 1
+  order = np.argsort(-np.bincount(toks.ravel(), minlength=a.vocab))
+  eos, lengths = [], np.full(toks.shape[0], n)
+  for tok in order[:64]:
+    if np.median(lengths) <= a.median_frac * n:
+      break
+    eos.append(int(tok))
+    lengths = np.minimum(lengths, first[:, tok])
+  q = {f"p{p}": float(np.percentile(lengths, p) / n) for p in (10, 50, 90)}
+  return tuple(eos), q
+
+
+def timed_runs(fn, repeats: int) -> tuple[list[float], object, int]:
+  """Untimed first run (compile + calibration), then `repeats` timed runs. Returns (seconds of
+  the timed runs, last rollout, programs compiled during the timed runs)."""
+  jax.block_until_ready(fn(0).tokens)
+  before = eng.compiled_programs()
+  times, out = [], None
+  for i in range(repeats):
+    t0 = time.perf_counter()
+    out = fn(i + 1)
+    jax.block_until_ready(out.tokens)
+    times.append(time.perf_counter() - t0)
+  return times, out, eng.compiled_programs() - before
+
+
+def arm_record(times, out, compiled) -> dict:
+  lengths = np.asarray(out.lengths)
+  rec = {"rollout_s": statistics.median(times), "rollout_s_all": times,
+         "tokens": int(lengths.sum()), "forward_steps": int(out.num_steps),
+         "compiled_in_timed_runs": compiled, "acceptance_length": 1.0}
+  if out.stats is not None:
+    m = AcceptanceMetrics.from_counts(out.stats)
+    if m.num_drafts:
+      rec["acceptance_length"] = m.acceptance_length
+  ks = collections.defaultdict(collections.Counter)
+  for s in out.segments:
+    ks[s.bucket][s.draft_len] += s.iterations
+  rec["k_per_bucket"] = {str(b): c.most_common(1)[0][0] for b, c in sorted(ks.items())}
+  rec["segments"] = [{"bucket": s.bucket, "draft_len": s.draft_len, "window": s.window,
+                      "iterations": s.iterations, "live_rows_start": s.live_rows_start,
+                      "seconds": s.seconds, "tokens": s.tokens,
+                      "expected_tokens_per_s": s.expected_tokens_per_s} for s in out.segments]
+  return rec
+
+
+def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log) -> dict:
+  key = lambda i: jax.random.key(a.seed * 1000 + i)
+  arms = {
+      "ar_static": lambda i: generate(target, prompts, lens, key(i), cfg, engine=STATIC),
+      "ar_compact": lambda i: generate(target, prompts, lens, key(i), cfg,
+                                       engine=EngineConfig(adaptive=False)),
+  }
+  for name, (drafter, params) in drafters.items():
+    prefix = "spec" if name == "eagle3" else name
+    arms[f"{prefix}_static"] = lambda i, d=drafter, p=params: speculative_generate(
+        target, d, p, prompts, lens, key(i), cfg, draft_len=a.static_k, engine=STATIC)
+    arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params: speculative_generate(
+        target, d, p, prompts, lens, key(i), cfg, draft_len=a.max_draft_len,
+        engine=EngineConfig(max_draft_len=a.max_draft_len))
+  out = {}
+  for name, fn in arms.items():
+    t0 = time.perf_counter()
+    rec = arm_record(*timed_runs(fn, a.repeats))
+    out[name] = rec
+    log(f"  {name:18s} {rec['rollout_s']:7.3f} s  acc.len {rec['acceptance_length']:.2f}  "
+        f"K/bucket {rec['k_per_bucket']}  ({time.perf_counter() - t0:.0f} s with warm-up)")
+  return out
+
+
+def read_bandwidth() -> float:
+  """GB/s of a large-array read (a jitted sum over 512 MB), the machine's memory roof."""
+  x = jnp.ones((128 * 1024 * 1024,), jnp.float32)
+  f = jax.jit(jnp.sum)
+  jax.block_until_ready(f(x))
+  t = min(timed(lambda: jax.block_until_ready(f(x))) for _ in range(5))
+  return x.nbytes / t / 1e9
+
+
+def timed(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
+
+
+def no_accept(a, log) -> dict:
+  """A near-uniform target (init std 0.02): n-gram drafts are essentially never accepted."""
+  cfg_m = model_config(a, 0.02)
+  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed + 1))
+  rng = np.random.default_rng(a.seed + 1)
+  cfg = SamplingConfig(max_new_tokens=a.max_new // 2, temperature=a.temperature)
+  out = {}
+  for b in a.no_accept_batches:
+    toks = jnp.asarray(rng.integers(3, a.vocab, (b, a.prompt_len)), jnp.int32)
+    lens = jnp.full((b,), a.prompt_len, jnp.int32)
+    key = lambda i: jax.random.key(i)
+    drafter = NgramDrafter(draft_len=a.static_k, n=3)
+    arms = {
+        "ar": lambda i: generate(target, toks, lens, key(i), cfg, engine=STATIC),
+        "spec_static": lambda i: speculative_generate(target, drafter, (), toks, lens, key(i), cfg,
+                                                      engine=STATIC),
+        "spec_adaptive": lambda i: speculative_generate(
+            target, drafter, (), toks, lens, key(i), cfg, draft_len=a.max_draft_len,
+            engine=EngineConfig(max_draft_len=a.max_draft_len)),
+    }
+    rows = {name: arm_record(*timed_runs(fn, a.repeats)) for name, fn in arms.items()}
+    for name, rec in rows.items():
+      rec["vs_ar"] = rec["rollout_s"] / rows["ar"]["rollout_s"]
+      log(f"  no-accept batch {b:3d} {name:14s} {rec['rollout_s']:7.3f} s  "
+          f"x{rec['vs_ar']:.2f} of AR  acc.len {rec['acceptance_length']:.2f}")
+    out[str(b)] = rows
+  per_token = out[str(a.no_accept_batches[0])]["ar"]["rollout_s"] / (cfg.max_new_tokens - 1)
+  return {"batches": out, "target_params": cfg_m.num_params(),
+          "ar_batch1_s_per_token": per_token if a.no_accept_batches[0] == 1 else None}
+
+
+def main(argv=None) -> dict:
+  a = parse_args(argv)
+  log = lambda s: print(s, flush=True)
+  t_start = time.perf_counter()
+  cfg_m = model_config(a, a.init_std)
+  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
+  rng = np.random.default_rng(a.seed)
+  log(f"target: {cfg_m.num_params() / 1e6:.1f}M parameters, float32")
+  eos, quantiles = choose_eos(a, target, rng)
+  cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
+  log(f"EOS set of {len(eos)} tokens; completion length quantiles / max_new (choice sample): "
+      f"{quantiles}")
+  drafters = {}
+  train_s = 0.0
+  if "eagle3" in a.drafters:
+    t0 = time.perf_counter()
+    p_train, l_train = make_prompts(a, rng, 32)
+    result = train_draft_head(target, p_train, l_train, sampling=cfg, progress=False,
+                              config=DraftTrainConfig(steps=a.eagle_steps, batch_size=16,
+                                                      draft_vocab=a.draft_vocab, seed=a.seed,
+                                                      warmup_steps=10, rollout_batch=64))
+    train_s = time.perf_counter() - t0
+    embed = nnx.split(target)[1]["embed"][...]
+    drafters["eagle3"] = eagle3_drafter(result.head, embed, result.maps, draft_len=a.static_k,
+                                        temperature=a.temperature)
+    log(f"EAGLE-3 head: {a.eagle_steps} TTT steps in {train_s:.0f} s, step-0 top-1 agreement "
+        f"{result.history[-1].get('acc_0', float('nan')):.2f}")
+  if "ngram" in a.drafters:
+    drafters["ngram"] = (NgramDrafter(draft_len=a.static_k, n=3), ())
+  batches = [a.prompts * a.group] if a.quick else a.batch_sweep
+  results = {}
+  for b in batches:
+    prompts, lens = make_prompts(a, rng, b // a.group)
+    log(f"batch {b} ({b // a.group} prompts x G={a.group}), max_new {a.max_new}:")
+    eng.clear_calibration()
+    arms = run_arms(a, target, drafters, prompts, lens, cfg, log)
+    results[str(b)] = {"arms": arms, "calibration": eng.calibration_table(), "batch": b}
+  main_b = str(batches[0])
+  summary = {
+      "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, jax {jax.__version__}",
+      "command": "python experiments/bench_engine.py " + " ".join(sys.argv[1:] if argv is None
+                                                                   else argv),
+      "config": {"hidden": a.hidden, "layers": a.layers, "heads": a.heads,
+                 "kv_heads": a.kv_heads, "head_dim": a.head_dim, "vocab": a.vocab,
+                 "batch": int(main_b), "max_new": a.max_new, "prompt_len": a.prompt_len,
+                 "temperature": a.temperature, "max_draft_len": a.max_draft_len,
+                 "static_k": a.static_k, "length_quantiles": quantiles, "eos_ids": list(eos),
+                 "group": a.group, "draft_vocab": a.draft_vocab},
+      "target_params": cfg_m.num_params(),
+      "eagle_train_s": train_s,
+      "arms": results[main_b]["arms"],
+      "calibration": {"rows": results[main_b]["calibration"], "drafter": "eagle3+ngram"},
+      "batches": results,
+  }
+  arms = summary["arms"]
+  ratios = {}
+  for spec in ("spec_adaptive", "ngram_adaptive", "spec_static", "ngram_static"):
+    if spec in arms:
+      ratios[f"{spec}_vs_ar_static"] = arms["ar_static"]["rollout_s"] / arms[spec]["rollout_s"]
+      ratios[f"{spec}_vs_ar_compact"] = arms["ar_compact"]["rollout_s"] / arms[spec]["rollout_s"]
+  ratios["ar_compact_vs_ar_static"] = arms["ar_static"]["rollout_s"] / arms["ar_compact"]["rollout_s"]
+  summary["speedups"] = ratios
+  if a.no_accept:
+    log("no-acceptance control:")
+    summary["no_accept"] = na = no_accept(a, log)
+    bw = read_bandwidth()
+    summary["read_bandwidth_gb_s"] = bw
+    if na["ar_batch1_s_per_token"]:
+      achieved = na["target_params"] * 4 / na["ar_batch1_s_per_token"] / 1e9
+      summary["ar_batch1"] = {"s_per_token": na["ar_batch1_s_per_token"],
+                              "weight_read_gb_s": achieved, "fraction_of_read_bw": achieved / bw}
+  summary["wall_s"] = time.perf_counter() - t_start
+  print_table(summary)
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+  tmp = a.out + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(summary, f, indent=1, default=float)
+  os.replace(tmp, a.out)
+  log(f"wrote {a.out} ({summary['wall_s']:.0f} s)")
+  return summary
+
+
+def print_table(s: dict) -> None:
+  print(f"\n{s['target_params'] / 1e6:.1f}M-parameter target, {s['machine']}")
+  for b, r in s["batches"].items():
+    base = r["arms"]["ar_static"]["rollout_s"]
+    print(f"\nbatch {b}: arm               rollout_s  x ar_static  acc.len  K per bucket")
+    for name, rec in r["arms"].items():
+      print(f"  {name:22s} {rec['rollout_s']:9.3f}  {base / rec['rollout_s']:10.2f}  "
+            f"{rec['acceptance_length']:7.2f}  {rec['k_per_bucket']}")
+  print("\nspeedups (main batch):", {k: round(v, 3) for k, v in s["speedups"].items()})
+  if "ar_batch1" in s:
+    x = s["ar_batch1"]
+    print(f"AR batch 1: {x['s_per_token'] * 1e3:.2f} ms/token = {x['weight_read_gb_s']:.1f} GB/s "
+          f"of weights, {100 * x['fraction_of_read_bw']:.0f}% of the {s['read_bandwidth_gb_s']:.1f} "
+          f"GB/s read roof")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,353 @@
+"""The rollout engine on the host: chains segment programs (`segment.py`) with live-batch
+compaction into power-of-two buckets, an attention window over the live prefix, and a draft length
+chosen per bucket from measured step costs and running acceptance rates.
+
+Why: RL completions have long-tailed lengths, so most decode steps run with few live rows; a
+verify of K+1 tokens is nearly free only while the live batch is small (weight reads dominate),
+and costs K+1 steps once arithmetic dominates. A fixed K and a fixed batch cannot follow that.
+Every choice here depends only on timings and on tokens already emitted, so every step is
+verified exactly as in the static loop: the output keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.sampling.core import Rollout, SamplingConfig, finish
+from specjax.sampling.drafter import Drafter
+from specjax.sampling.metrics import AcceptanceCounts
+from specjax.sampling.segment import EngineState, SegmentSpec, init_state, run_segment, take_rows
+
+NO_LIMIT = 2 ** 30
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine runs a batch. Hashable. `STATIC` is the plain loop: full batch, whole cache,
+  fixed K, one segment."""
+
+  compaction: bool = True  # gather live rows into the next bucket when they fit
+  min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
+  max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
+  window_block: int = 128  # attention reads positions < block * 2^j >= longest live row; 0: all
+  adaptive: bool = True  # choose K per bucket (else the drafter's draft_len throughout)
+  max_draft_len: int = 0  # largest K adaptivity may pick; 0: the drafter's draft_len
+  first_segment_iters: int = 4  # adaptive: steps before the first re-decision in a bucket ...
+  max_segment_iters: int = 256  # ... doubling per segment up to this
+  calibration_iters: int = 3  # timed steps per (bucket, K) in the startup calibration
+  prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
+  prior_weight: float = 2.0  # in drafts
+  min_gain: float = 0.05  # draft only when expected tokens/s beat plain AR by this fraction
+
+  def __post_init__(self):
+    def check(ok, field, msg):
+      if not ok:
+        raise ValueError(f"EngineConfig.{field}: {msg}")
+    check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
+    check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
+    check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
+    check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
+    check(self.first_segment_iters >= 1, "first_segment_iters",
+          f"must be >= 1, got {self.first_segment_iters}")
+    check(self.max_segment_iters >= self.first_segment_iters, "max_segment_iters",
+          f"must be >= first_segment_iters={self.first_segment_iters}, "
+          f"got {self.max_segment_iters}")
+    check(self.calibration_iters >= 1, "calibration_iters",
+          f"must be >= 1, got {self.calibration_iters}")
+    check(0 < self.prior_acceptance < 1, "prior_acceptance",
+          f"must be in (0, 1), got {self.prior_acceptance}")
+    check(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight}")
+    check(self.min_gain >= 0, "min_gain", f"must be >= 0, got {self.min_gain}")
+
+
+STATIC = EngineConfig(compaction=False, window_block=0, adaptive=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """One segment as it ran (the engine's log)."""
+
+  bucket: int
+  draft_len: int
+  window: int
+  live_rows_start: int
+  iterations: int
+  tokens: int  # tokens committed by the bucket's rows
+  seconds: float
+  expected_tokens_per_s: float  # what the K choice predicted (nan when not adaptive)
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / max(self.seconds, 1e-12)
+
+
+# -- buckets, windows, mesh -----------------------------------------------------------------------
+
+def data_parallel_size(mesh) -> int:
+  if mesh is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in ("data", "fsdp") if a in mesh.shape)
+
+
+def bucket_sizes(batch: int, dp: int = 1, min_bucket: int = 1, max_buckets: int = 64) -> list[int]:
+  """Descending buckets: the batch, then the powers of two below it that are multiples of `dp`
+  and >= min_bucket, at most `max_buckets` in all."""
+  if batch % dp:
+    raise ValueError(f"batch of {batch} rows is not divisible by the data-parallel size {dp} "
+                     f"(mesh axes data x fsdp): every device must hold whole rows")
+  out, b = [batch], 1 << (batch - 1).bit_length()
+  while b > 1:
+    b //= 2
+    if b < batch and b % dp == 0 and b >= max(min_bucket, dp) and len(out) < max_buckets:
+      out.append(b)
+  return out
+
+
+def window_for(longest: int, draft_len: int, block: int, cache_size: int) -> int:
+  """Smallest `block * 2^j` that holds a step's writes (positions < longest + K + 1); 0 (the
+  whole cache) when that reaches the cache size or windows are off. Doubling keeps the number of
+  compiled windows logarithmic in the cache size."""
+  if not block:
+    return 0
+  w = block
+  while w < longest + draft_len + 1:
+    w *= 2
+  return 0 if w >= cache_size else w
+
+
+def params_mesh(params):
+  """The mesh the parameters are sharded over, when they are (more than one device)."""
+  for leaf in jax.tree.leaves(params):
+    sharding = getattr(leaf, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is not None and mesh.size > 1:
+      return mesh
+    if sharding is not None:
+      return None
+  return None
+
+
+# -- adaptive K ---------------------------------------------------------------------------------
+
+class AcceptanceEstimate:
+  """Running per-position conditional acceptance: a_i = P(draft i accepted | drafts < i were),
+  from drafts that offered position i, shrunk toward a prior (position 0) or toward a_{i-1}."""
+
+  def __init__(self, max_len: int, prior: float, weight: float):
+    self.offered = np.zeros(max_len)
+    self.hits = np.zeros(max_len)
+    self.prior, self.weight = prior, weight
+
+  def add(self, draft_len: int, drafts: float, accepted_per_position: np.ndarray) -> None:
+    """One segment's counts: `drafts` drafts of length `draft_len`; accepted_per_position[i] of
+    them had their first i + 1 tokens accepted."""
+    for i in range(draft_len):
+      self.offered[i] += drafts if i == 0 else accepted_per_position[i - 1]
+      self.hits[i] += accepted_per_position[i]
+
+  def conditional(self) -> np.ndarray:
+    out, prev = np.zeros(len(self.offered)), self.prior
+    for i in range(len(out)):
+      prev = out[i] = (self.hits[i] + prev * self.weight) / (self.offered[i] + self.weight)
+    return out
+
+  def expected_tokens(self, draft_len: int) -> float:
+    """E[tokens a row commits in one step] = 1 + sum_{i<K} prod_{j<=i} a_j."""
+    return 1.0 + float(np.sum(np.cumprod(self.conditional()[:draft_len])))
+
+
+def best_draft_len(expected_tokens: dict[int, float], step_costs: dict[int, float],
+                   live: int, min_gain: float = 0.0) -> tuple[int, float]:
+  """(K, tokens/s) maximising live * E[tokens per step | K] / seconds per step at K; a K > 0
+  must beat K = 0 (when offered) by the fraction `min_gain`, so that timing noise never keeps
+  drafts that are not accepted."""
+  rates = {k: live * expected_tokens[k] / step_costs[k] for k in expected_tokens}
+  bar = {k: r / (1.0 + min_gain) if k > 0 and 0 in rates else r for k, r in rates.items()}
+  k = max(bar, key=bar.get)
+  return k, rates[k]
+
+
+# -- the engine -----------------------------------------------------------------------------------
+
+_init_jit = jax.jit(init_state, static_argnames=("graphdef", "drafter", "cfg", "cache_size",
+                                                 "max_draft_len", "mesh"))
+_segment_jit = jax.jit(run_segment, static_argnames=("graphdef", "drafter", "spec", "mesh"))
+_take_jit = jax.jit(take_rows)
+_finish_jit = jax.jit(finish, static_argnames=("cfg",))
+
+
+@jax.jit
+def _summary(state: EngineState):
+  live = ~state.done
+  counts = state.counts.pooled()
+  return (live, jnp.where(live, state.seq.lengths, 0),
+          jnp.sum(jnp.where(state.row_ids >= 0, state.lengths, 0)),
+          counts.num_drafts, counts.accepted_per_position)
+
+
+@jax.jit
+def _write_back(out: EngineState, state: EngineState) -> EngineState:
+  """Rows of a bucket state back into the full-batch state at their row ids (padding dropped)."""
+  idx = jnp.where(state.row_ids >= 0, state.row_ids, out.done.shape[0])
+  return jax.tree.map(lambda o, s: o.at[idx].set(s, mode="drop"), out, state)
+
+
+def compiled_programs() -> int:
+  """Programs the engine has compiled in this process (segments and prefills)."""
+  return _segment_jit._cache_size() + _init_jit._cache_size()
+
+
+# (graphdef, drafter, cfg, cache_size, mesh, bucket, K) -> seconds per step, measured once per
+# process (a run's startup calibration, reused by every later rollout of the run)
+_STEP_COSTS: dict[tuple, float] = {}
+
+
+def calibration_table() -> list[dict]:
+  """The measured step costs: [{"bucket", "draft_len", "step_s"}] (every entry measured)."""
+  return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v} for k, v in _STEP_COSTS.items()]
+
+
+def clear_calibration() -> None:
+  _STEP_COSTS.clear()
+
+
+class _Run:
+  """One call of the engine: the host loop over segments."""
+
+  def __init__(self, graphdef, params, drafter, drafter_params, cfg: SamplingConfig,
+               cache_size: int, engine: EngineConfig, mesh):
+    self.graphdef, self.params = graphdef, params
+    self.drafter, self.drafter_params = drafter, drafter_params
+    self.cfg, self.cache_size, self.engine, self.mesh = cfg, cache_size, engine, mesh
+    if drafter is None:
+      self.k_max, self.k_choices = 0, (0,)
+    elif engine.adaptive:
+      self.k_max = engine.max_draft_len or drafter.draft_len
+      self.k_choices = tuple(range(self.k_max + 1))
+    else:
+      self.k_max = drafter.draft_len
+      self.k_choices = (drafter.draft_len,)
+    self.estimate = AcceptanceEstimate(max(self.k_max, 1), engine.prior_acceptance,
+                                       engine.prior_weight)
+    self.segments: list[Segment] = []
+
+  def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
+              stop_at_live: int):
+    drafter = self.drafter if self.drafter is not None and (k > 0 or self.drafter.stateful) \
+        else None
+    if drafter is not None:
+      drafter = dataclasses.replace(drafter, draft_len=max(k, 1))
+    spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
+    return _segment_jit(self.graphdef, self.params, drafter, self.drafter_params, key, state,
+                        jnp.int32(max_iters), jnp.int32(stop_at_live), spec=spec, mesh=self.mesh)
+
+  def step_cost(self, state, bucket: int, k: int, window: int) -> float:
+    """Seconds per step of the (bucket, K) program, timed on the current state (the result is
+    discarded) after one untimed run that compiles it."""
+    key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
+    if key not in _STEP_COSTS:
+      n = self.engine.calibration_iters
+      probe = jax.random.PRNGKey(0)
+      jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
+      t0 = time.perf_counter()
+      _, iters = jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
+      _STEP_COSTS[key] = (time.perf_counter() - t0) / max(int(iters), 1)
+    return _STEP_COSTS[key]
+
+  def cost(self, state, bucket: int, k: int, longest: int) -> float:
+    """Seconds per step at (bucket, K): measured for K in {0, 1, K_max}, linear in K between 1
+    and K_max (K more drafter steps, K more target positions)."""
+    measure = lambda j: self.step_cost(
+        state, bucket, j, window_for(longest, j, self.engine.window_block, self.cache_size))
+    if k <= 1 or k == self.k_max:
+      return measure(k)
+    lo, hi = measure(1), measure(self.k_max)
+    return lo + (hi - lo) * (k - 1) / (self.k_max - 1)
+
+  def choose_k(self, state, bucket: int, live: int, longest: int) -> tuple[int, float]:
+    """(K, expected tokens/s) maximising live * E[tokens | K] / cost(bucket, K)."""
+    if len(self.k_choices) == 1:
+      return self.k_choices[0], float("nan")
+    # until a draft has been seen, acceptance is a guess: draft once so the estimate can learn
+    choices = self.k_choices[1:] if self.estimate.offered[0] == 0 else self.k_choices
+    return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
+                          {k: self.cost(state, bucket, k, longest) for k in choices}, live,
+                          self.engine.min_gain)
+
+  def run(self, prompts, prompt_lengths, key) -> Rollout:
+    batch = prompts.shape[0]
+    dp = data_parallel_size(self.mesh)
+    compact = self.engine.compaction and (self.drafter is None or self.drafter.row_local)
+    buckets = bucket_sizes(batch, dp, self.engine.min_bucket, self.engine.max_buckets) \
+        if compact else bucket_sizes(batch, dp, batch)
+    init_drafter = None if self.drafter is None else \
+        dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
+    key_prefill, key_loop = jax.random.split(key)
+    state = _init_jit(self.graphdef, self.params, init_drafter, self.drafter_params, prompts,
+                      prompt_lengths, key_prefill, cfg=self.cfg, cache_size=self.cache_size,
+                      max_draft_len=max(self.k_max, 1), mesh=self.mesh)
+    out, bucket, total_steps = state, batch, 0
+    per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
+    last_k = {}
+    while True:
+      live_mask, seq_lengths, tokens_before, drafts0, acc0 = jax.device_get(_summary(state))
+      live = int(live_mask.sum())
+      if live == 0:
+        break
+      fits = [b for b in buckets if b >= live]
+      if compact and fits[-1] < bucket:  # gather the live rows into the smallest bucket
+        out = _write_back(out, state)
+        rows = np.flatnonzero(live_mask)
+        new = fits[-1]
+        idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
+        pad = np.arange(new) >= live
+        state, bucket = _take_jit(state, jnp.asarray(idx), jnp.asarray(pad)), new
+        live_mask, seq_lengths = live_mask[idx] & ~pad, seq_lengths[idx] * ~pad
+      longest = int(seq_lengths.max())
+      k, expected = self.choose_k(state, bucket, live, longest)
+      window = window_for(longest, k, self.engine.window_block, self.cache_size)
+      j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
+      per_bucket[bucket], last_k[bucket] = j + 1, k
+      max_iters = min(self.engine.first_segment_iters << j, self.engine.max_segment_iters) \
+          if self.engine.adaptive and len(self.k_choices) > 1 else NO_LIMIT
+      smaller = [b for b in buckets if b < bucket]
+      stop_at_live = smaller[0] if compact and smaller else 0
+      t0 = time.perf_counter()
+      state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
+                                  bucket, k, window, max_iters, stop_at_live)
+      _, _, tokens_after, drafts1, acc1 = jax.device_get(_summary(state))
+      seconds = time.perf_counter() - t0
+      iters = int(iters)
+      total_steps += iters
+      if k > 0:
+        self.estimate.add(k, float(drafts1 - drafts0), np.asarray(acc1 - acc0, np.float64))
+      self.segments.append(Segment(bucket=bucket, draft_len=k, window=window,
+                                   live_rows_start=live, iterations=iters,
+                                   tokens=int(tokens_after - tokens_before), seconds=seconds,
+                                   expected_tokens_per_s=expected))
+    out = _write_back(out, state)
+    stats = None
+    if self.drafter is not None:
+      stats = out.counts if self.k_max >= 1 else AcceptanceCounts.zeros(1, batch)
+    rollout = _finish_jit(prompts, prompt_lengths, out.tokens, out.logprobs, out.lengths,
+                          self.cfg, jnp.int32(total_steps), stats)
+    return rollout.replace(segments=tuple(self.segments))
+
+
+def run_engine(graphdef, params, drafter: Drafter | None, drafter_params, prompts: jax.Array,
+               prompt_lengths: jax.Array, key: jax.Array, cfg: SamplingConfig, cache_size: int,
+               engine: EngineConfig, mesh=None) -> Rollout:
+  """Sample completions with the engine (inputs already checked by `generate` /
+  `speculative_generate`). `mesh` None: the mesh the params are sharded over, if any."""
+  mesh = params_mesh(params) if mesh is None else mesh
+  if mesh is not None:
+    from specjax.sharding.rules import shard_batch
+    prompts, prompt_lengths = shard_batch((prompts, prompt_lengths), mesh)
+  return _Run(graphdef, params, drafter, drafter_params, cfg, cache_size, engine,
+              mesh).run(prompts, prompt_lengths, key)

@@ -1,0 +1,219 @@
+"""The device side of the rollout engine: one state for AR and speculative decoding, its prefill,
+the AR step (K = 0) and the speculative step (K >= 1), and a *segment*: a `lax.while_loop` that
+steps a static bucket of rows with a static draft length over a static attention window until
+too few rows are live, a row needs a wider window, or an iteration budget is spent.
+
+`engine.py` chains segments on the host: compaction, windows and the choice of K happen between
+them. Every array of `EngineState` has the bucket's rows on its leading axis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx, struct
+
+from specjax.models.cache import KVCache
+from specjax.sampling.core import SamplingConfig, is_eos, prefill
+from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+from specjax.sampling.metrics import AcceptanceCounts
+from specjax.sampling.processing import sample_token
+from specjax.sampling.rejection import verify
+from specjax.sharding.rules import CACHE_AXES, with_logical_constraint
+
+
+@struct.dataclass
+class EngineState:
+  seq: Sequences  # committed tokens (prompt + completion); seq.lengths = prompt + generated
+  cache: KVCache  # target cache: every committed token except the last one
+  tokens: jax.Array  # int32[b, N + Kmax + 1] completion buffer
+  logprobs: jax.Array  # float32[b, N + Kmax + 1]
+  lengths: jax.Array  # int32[b] completion lengths
+  done: jax.Array  # bool[b]
+  row_ids: jax.Array  # int32[b] the row of the caller's batch; -1 marks a padding slot
+  drafter_state: Any
+  counts: AcceptanceCounts  # per row, Kmax positions
+
+
+def is_cache(x) -> bool:
+  return isinstance(x, KVCache)
+
+
+def with_window(state: EngineState, window: int) -> EngineState:
+  """Every KV cache in the state (target and drafter) reads `window` positions (0: all)."""
+  return jax.tree.map(lambda x: x.with_window(window) if is_cache(x) else x, state,
+                      is_leaf=is_cache)
+
+
+def constrain(state: EngineState, mesh) -> EngineState:
+  """Pin every row-major array to the batch axes of `mesh` (caches: kv heads on tensor too), so
+  each device steps its own rows and nothing is replicated."""
+  if mesh is None:
+    return state
+
+  def one(x):
+    if is_cache(x):
+      kv = lambda a: with_logical_constraint(a, CACHE_AXES, mesh)
+      return x.replace(k=tuple(map(kv, x.k)), v=tuple(map(kv, x.v)),
+                       lengths=with_logical_constraint(x.lengths, ("batch",), mesh))
+    return with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1), mesh)
+
+  return jax.tree.map(one, state, is_leaf=is_cache)
+
+
+def take_rows(state: EngineState, idx: jax.Array, pad: jax.Array) -> EngineState:
+  """The rows `idx` of a state (compaction); slots where `pad` is True become finished padding."""
+  state = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), state)
+  return state.replace(done=state.done | pad, row_ids=jnp.where(pad, -1, state.row_ids))
+
+
+def scatter(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
+  """buf[b, start[b] + j] = new[b, j] for j < count[b]; nothing else changes."""
+  j = jnp.arange(new.shape[1])[None, :]
+  idx = jnp.where(j < count[:, None], start[:, None] + j, buf.shape[1])  # out of range: dropped
+  return buf.at[jnp.arange(buf.shape[0])[:, None], idx].set(new.astype(buf.dtype), mode="drop")
+
+
+# -- prefill ------------------------------------------------------------------------------------
+
+def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompts, prompt_lengths,
+               key, cfg: SamplingConfig, cache_size: int, max_draft_len: int,
+               mesh=None) -> EngineState:
+  """Prefill the prompts, sample each row's first token, let the drafter see the prompts."""
+  target = nnx.merge(graphdef, params)
+  batch, width = prompts.shape
+  n = cfg.max_new_tokens
+  pre_out, cache, logits = prefill(target, prompts, prompt_lengths, cache_size)
+  first, first_lp = sample_token(key, logits, temperature=cfg.temperature, top_k=cfg.top_k,
+                                 top_p=cfg.top_p)
+  rows = jnp.arange(batch)
+  seq_tokens = jnp.zeros((batch, cache_size), jnp.int32).at[:, :width].set(prompts)
+  seq_tokens = seq_tokens.at[rows, prompt_lengths].set(first)
+  seq = Sequences(tokens=seq_tokens, lengths=prompt_lengths + 1, prompt_lengths=prompt_lengths)
+  dstate = ()
+  if drafter is not None:
+    shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
+    next_tokens = shifted.at[rows, prompt_lengths - 1].set(first)
+    dstate = drafter.init(drafter_params, batch, cache_size)
+    # prompt logits are not computed (B x P x V); drafters get hidden and aux_hidden
+    dstate = drafter.observe(drafter_params, dstate, TargetStep(
+        input_tokens=prompts, next_tokens=next_tokens, start=jnp.zeros((batch,), jnp.int32),
+        num_new=prompt_lengths, out=pre_out.replace(logits=None)))
+  width_out = n + max_draft_len + 1
+  state = EngineState(
+      seq=seq, cache=cache,
+      tokens=jnp.zeros((batch, width_out), jnp.int32).at[:, 0].set(first),
+      logprobs=jnp.zeros((batch, width_out), jnp.float32).at[:, 0].set(first_lp),
+      lengths=jnp.ones((batch,), jnp.int32), done=is_eos(first, cfg.eos_ids) | (n == 1),
+      row_ids=rows.astype(jnp.int32), drafter_state=dstate,
+      counts=AcceptanceCounts.zeros(max(max_draft_len, 1), batch))
+  return constrain(state, mesh)
+
+
+# -- steps --------------------------------------------------------------------------------------
+
+def _commit(s: EngineState, cfg: SamplingConfig, emitted, emitted_lp, num_valid) -> tuple:
+  """Commit each live row's emitted window up to (and including) its first EOS, within
+  max_new_tokens. Returns (commit int32[b], new lengths, new done, new seq)."""
+  n, width = cfg.max_new_tokens, emitted.shape[1]
+  pos = jnp.arange(width)[None, :]
+  eos_at = jnp.where(is_eos(emitted, cfg.eos_ids) & (pos < num_valid[:, None]), pos, width)
+  first_eos = jnp.min(eos_at, axis=1)
+  commit = jnp.minimum(jnp.minimum(num_valid, first_eos + 1), n - s.lengths)
+  commit = jnp.where(~s.done, commit, 0).astype(jnp.int32)
+  lengths = s.lengths + commit
+  done = s.done | (~s.done & (first_eos < commit)) | (lengths >= n)
+  seq = s.seq.replace(tokens=scatter(s.seq.tokens, emitted, s.seq.lengths, commit),
+                      lengths=s.seq.lengths + commit)
+  return commit, lengths, done, seq
+
+
+def _last_token(seq: Sequences) -> jax.Array:
+  return jnp.take_along_axis(seq.tokens, (seq.lengths - 1)[:, None], axis=1)  # [b, 1]
+
+
+def ar_step(target, drafter: Drafter | None, drafter_params, cfg: SamplingConfig, key,
+            s: EngineState) -> EngineState:
+  """K = 0: one target forward per row, one sampled token. A stateful drafter still observes
+  the step, so a later segment can draft again."""
+  last = _last_token(s.seq)
+  out = target(last, cache=s.cache)
+  tok, lp = sample_token(key, out.logits[:, 0], temperature=cfg.temperature, top_k=cfg.top_k,
+                         top_p=cfg.top_p)
+  commit, lengths, done, seq = _commit(s, cfg, tok[:, None], lp[:, None],
+                                       jnp.ones_like(s.lengths))
+  dstate = s.drafter_state
+  if drafter is not None and drafter.stateful:
+    dstate = drafter.observe(drafter_params, dstate, TargetStep(
+        input_tokens=last, next_tokens=tok[:, None], start=s.cache.lengths, num_new=commit,
+        out=out))
+  return s.replace(seq=seq, cache=out.cache.advance(commit),
+                   tokens=scatter(s.tokens, tok[:, None], s.lengths, commit),
+                   logprobs=scatter(s.logprobs, lp[:, None], s.lengths, commit),
+                   lengths=lengths, done=done, drafter_state=dstate)
+
+
+def speculative_step(target, drafter: Drafter, drafter_params, cfg: SamplingConfig, key,
+                     s: EngineState) -> EngineState:
+  """K = drafter.draft_len >= 1: draft, one target forward over [last, drafts], verify, commit
+  num_accepted + 1 tokens per row."""
+  key_draft, key_verify = jax.random.split(key)
+  drafts, draft_probs, dstate = drafter.propose(drafter_params, s.drafter_state, s.seq,
+                                                key_draft)
+  last = _last_token(s.seq)
+  inputs = jnp.concatenate([last, drafts.astype(jnp.int32)], axis=1)  # [b, K+1]
+  out = target(inputs, cache=s.cache)
+  res = verify(key_verify, out.logits, drafts, draft_probs, temperature=cfg.temperature,
+               top_k=cfg.top_k, top_p=cfg.top_p)
+  commit, lengths, done, seq = _commit(s, cfg, res.tokens, res.logprobs, res.num_accepted + 1)
+  dstate = drafter.observe(drafter_params, dstate, TargetStep(
+      input_tokens=inputs, next_tokens=res.tokens, start=s.cache.lengths, num_new=commit,
+      out=out))
+  return s.replace(seq=seq, cache=out.cache.advance(commit),
+                   tokens=scatter(s.tokens, res.tokens, s.lengths, commit),
+                   logprobs=scatter(s.logprobs, res.logprobs, s.lengths, commit),
+                   lengths=lengths, done=done, drafter_state=dstate,
+                   counts=s.counts.update(res.num_accepted, ~s.done))
+
+
+# -- a segment ----------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class SegmentSpec:
+  """The static part of a segment program (one compiled program per distinct spec)."""
+
+  cfg: SamplingConfig
+  draft_len: int  # K; 0 = AR
+  window: int  # cache positions attention reads; 0 = the whole cache
+
+
+def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, state, max_iters,
+                stop_at_live, spec: SegmentSpec, mesh=None) -> tuple[EngineState, jax.Array]:
+  """Step until every row is done, live rows <= `stop_at_live`, a live row would write past the
+  window, or `max_iters` steps ran. Returns (state, steps run)."""
+  target = nnx.merge(graphdef, params)
+  k, window = spec.draft_len, spec.window
+  if k > 0:
+    drafter = dataclasses.replace(drafter, draft_len=k)
+  step = ar_step if k == 0 else speculative_step
+
+  def cond(carry):
+    it, s = carry
+    live = ~s.done
+    ok = (it < max_iters) & (jnp.sum(live) > stop_at_live)
+    if window:  # a step writes cache positions up to seq.lengths - 1 + K
+      longest = jnp.max(jnp.where(live, s.seq.lengths, 0))
+      ok &= longest + k <= window
+    return ok
+
+  def body(carry):
+    it, s = carry
+    s = step(target, drafter, drafter_params, spec.cfg, jax.random.fold_in(key, it), s)
+    return it + 1, constrain(s, mesh)
+
+  state = with_window(constrain(state, mesh), window)
+  iters, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+  return with_window(state, 0), iters
