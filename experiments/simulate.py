@@ -20,7 +20,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specjax.sim import advise, calibrate, catalog, machine_fit, phases, report  # noqa: E402
+from specjax.sim import calibrate, catalog, machine_fit, phases, report  # noqa: E402
+from specjax.sim.advise import advice_text, advise  # noqa: E402
 from specjax.sim.simulate import ENGINES, MODES, Scenario, compare  # noqa: E402
 from specjax.sim.workload import WORKLOADS  # noqa: E402
 
@@ -90,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="bench_engine.py JSON whose calibration rows and arms are fitted")
   v.add_argument("--fit-engine-calibration", action="append", default=[],
                  help="bench_engine.py JSON whose calibration rows are fitted, arms held out")
+  v.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                 help="validate wall time or this process's CPU time (robust to other jobs)")
   v.add_argument("--plot", default=None, help="predicted-vs-measured PNG")
   v.add_argument("--save", default=None, help="write the validation JSON here")
   return p.parse_args(argv)
@@ -152,25 +155,28 @@ def run_validation(a: argparse.Namespace) -> dict:
   fit_models = [m for m in a.fit_models.split(",") if m]
   fit_cases, held = [], []
   for path in a.forward_json:
-    for c in machine_fit.forward_cases(path):
+    for c in machine_fit.forward_cases(path, clock=a.clock):
       (fit_cases if c.name.split(" ")[0] in fit_models else held).append(c)
+  if a.clock == "cpu" and (a.fit_rollout or a.rollout_json):
+    raise SystemExit("--clock cpu: bench_rollout.py JSON has wall time only")
   for path in a.fit_rollout:
     fit_cases += machine_fit.rollout_cases(path)
   for path in a.rollout_json:
     if path not in a.fit_rollout:
       held += machine_fit.rollout_cases(path)
   for path in a.fit_engine_json:
-    steps, arms = machine_fit.engine_cases(path)
+    steps, arms = machine_fit.engine_cases(path, clock=a.clock)
     fit_cases += steps + arms
   for path in a.fit_engine_calibration:
-    steps, arms = machine_fit.engine_cases(path)
+    steps, arms = machine_fit.engine_cases(path, clock=a.clock)
     fit_cases += steps
     held += arms
   run_steps = {}
   for path in a.engine_json:
-    steps, arms = machine_fit.engine_cases(path)
+    steps, arms = machine_fit.engine_cases(path, clock=a.clock)
     held += steps + arms
-    run_steps[arms[0].name.rsplit(" ", 1)[0] + " "] = steps
+    if steps:
+      run_steps[arms[0].name.rsplit(" ", 1)[0] + " "] = steps
   if not fit_cases:
     raise SystemExit("--validate-cpu: no fit cases (give --forward-json with --fit-models, "
                      "--fit-rollout, --fit-engine-json or --fit-engine-calibration)")
@@ -215,9 +221,9 @@ def run_advice(a: argparse.Namespace, s: Scenario) -> dict:
   for d in drafters:
     if d not in phases.DRAFTERS or d == "none":
       raise SystemExit(f"--drafters: {d!r} is not one of {phases.DRAFTERS[1:]}")
-  out = advise.advise(s, drafters=drafters, max_lag=a.max_lag, acceptance=given)
+  out = advise(s, drafters=drafters, max_lag=a.max_lag, acceptance=given)
   if not a.json:
-    print(advise.advice_text(out))
+    print(advice_text(out))
   return out
 
 

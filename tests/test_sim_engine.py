@@ -131,8 +131,8 @@ def test_fit_on_bench_engine_calibration_predicts_its_arms(tmp_path):
   truth = CPU_EFF.replace(bw=0.3, kv_bw=0.02, flops=0.4, step_overhead_s=3e-4)
   _engine_json(tmp_path / "e.json", truth)
   steps, arms = machine_fit.engine_cases(str(tmp_path / "e.json"))
-  assert len(steps) == 9 and {c.name for c in arms} == {
-      "engine ar_static", "engine ar_compact", "engine spec_adaptive"}
+  assert len(steps) == 9 and {c.name.split()[-1] for c in arms} == {
+      "ar_static", "ar_compact", "spec_adaptive"}
   out = machine_fit.validate(steps, arms, start=CPU_EFF,
                              fields=("bw", "kv_bw", "flops", "step_overhead_s"))
   assert out["fit"]["max_abs_error"] < 0.02
@@ -203,3 +203,20 @@ def test_engine_arm_names_map_to_configs():
   assert a.adaptive and a.compact
   assert EngineConfig.for_arm("ar_compact", batch=8, prompt_len=8, max_new=16).draft_len == 0
   assert engine.ARMS[0] == "ar_static"
+
+
+def test_forward_probe_json_loads_wall_or_cpu_seconds_and_names_a_missing_field(tmp_path):
+  row = {"batch": 4, "tokens": 2, "window": 128, "seconds": 2e-3, "seconds_cpu": 1e-3}
+  data = {"kind": "forward_costs", "models": {"m": {"model": {
+      "hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32, "vocab": 128},
+      "rows": [row]}}}
+  path = tmp_path / "f.json"
+  path.write_text(json.dumps(data))
+  assert machine_fit.forward_cases(str(path))[0].seconds == 2e-3
+  assert machine_fit.forward_cases(str(path), clock="cpu")[0].seconds == 1e-3
+  del row["seconds_cpu"]
+  path.write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="seconds_cpu"):
+    machine_fit.forward_cases(str(path), clock="cpu")
+  with pytest.raises(ValueError, match="clock"):
+    machine_fit.forward_cases(str(path), clock="gpu")

@@ -121,8 +121,20 @@ class RolloutCase:
     return self.run(eff, hw).seconds
 
 
-def forward_cases(path: str, models: Sequence[str] | None = None) -> list[ForwardCase]:
-  """Cases from a `measure.run_probes` JSON ({"kind": "forward_costs", "models": {...}})."""
+CLOCKS = ("wall", "cpu")
+
+
+def _clock(clock: str) -> str:
+  if clock not in CLOCKS:
+    raise ValueError(f"clock: must be one of {CLOCKS}, got {clock!r}")
+  return clock
+
+
+def forward_cases(path: str, models: Sequence[str] | None = None,
+                  clock: str = "wall") -> list[ForwardCase]:
+  """Cases from a `measure.run_probes` JSON ({"kind": "forward_costs", "models": {...}}).
+  clock 'cpu': the process CPU seconds (`seconds_cpu`), robust to other jobs' load."""
+  key = "seconds" if _clock(clock) == "wall" else "seconds_cpu"
   with open(path) as f:
     data = json.load(f)
   if data.get("kind") != "forward_costs":
@@ -137,7 +149,7 @@ def forward_cases(path: str, models: Sequence[str] | None = None) -> list[Forwar
       w = f"{path}:models.{name}.rows"
       out.append(ForwardCase(f"{name} b={r['batch']} T={r['tokens']} W={r['window']}", m,
                              int(_need(r, "batch", w)), int(_need(r, "tokens", w)),
-                             int(_need(r, "window", w)), float(_need(r, "seconds", w))))
+                             int(_need(r, "window", w)), float(_need(r, key, w))))
   return out
 
 
@@ -195,14 +207,17 @@ def quantile_lengths(quantiles: Sequence[float], batch: int) -> np.ndarray:
   return np.interp(at, np.linspace(0, 1, len(q)), np.sort(q))
 
 
-def engine_cases(path: str, measured_k: bool = True) -> tuple[list[StepCase],
-                                                                 list[RolloutCase]]:
+def engine_cases(path: str, measured_k: bool = True, clock: str = "wall"
+                 ) -> tuple[list[StepCase], list[RolloutCase]]:
   """Startup-calibration steps and arm rollouts from a bench_engine.py JSON (schema in
   docs/SIMULATOR.md). Arms name their engine (ar_static, ar_compact, spec_static,
   spec_compact, spec_adaptive); spec arms draft with the JSON's calibration drafter. Optional
   per-arm `lengths` (else config.length_quantiles) and `per_position_acceptance_rate` (else
   derived from acceptance_length). `measured_k`: adaptive arms keep the K per bucket the engine
-  chose from its (noisy) startup timings; False: the model chooses K from its own costs."""
+  chose from its (noisy) startup timings; False: the model chooses K from its own costs.
+  clock 'cpu': arms' `rollout_cpu_s` (process CPU seconds; specjax.sim.measure writes it); the
+  startup calibration is wall time only, so it gives no cases then."""
+  arm_key = "rollout_s" if _clock(clock) == "wall" else "rollout_cpu_s"
   with open(path) as f:
     data = json.load(f)
   cfgj = _need(data, "config", path)
@@ -222,7 +237,7 @@ def engine_cases(path: str, measured_k: bool = True) -> tuple[list[StepCase],
     for seg in a.get("segments") or []:
       first_window.setdefault((seg.get("bucket"), seg.get("draft_len")), seg.get("window"))
   steps = []
-  for i, r in enumerate(_need(calib, "rows", f"{path}:calibration")):
+  for i, r in enumerate(_need(calib, "rows", f"{path}:calibration") if clock == "wall" else ()):
     w = f"{path}:calibration.rows[{i}]"
     b, k = int(_need(r, "bucket", w)), int(_need(r, "draft_len", w))
     window = r.get("window") or first_window.get((b, k)) or prompt_len + max_new + max_k + 1
@@ -254,7 +269,7 @@ def engine_cases(path: str, measured_k: bool = True) -> tuple[list[StepCase],
       raise ValueError(f"{w}.lengths: {len(arm_lengths)} lengths for config.batch={batch}")
     rollouts.append(RolloutCase(f"{_engine_label(cfgj)} {arm}", model, draft, drafter, cfg,
                                 tuple(arm_lengths if arm_lengths is not None else lengths),
-                                rates, float(_need(a, "rollout_s", w)),
+                                rates, float(_need(a, arm_key, w)),
                                 kpb if cfg.adaptive and measured_k else ()))
   return steps, rollouts
 

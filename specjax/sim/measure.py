@@ -37,10 +37,24 @@ def model_fields(cfg: ModelConfig) -> dict:
           "bytes_per_param": nbytes, "kv_bytes": nbytes}
 
 
-def time_forward(model: Decoder, batch: int, tokens: int, window: int, repeats: int = 5) -> float:
-  """Median seconds of one cached forward of `tokens` tokens per row over a `window`-position
-  cache (rows filled to window - tokens), logits and a greedy pick included, measured as
-  ITERS forwards in one jitted loop so that Python dispatch is not counted."""
+def _timed(fn, repeats: int) -> tuple[list[float], list[float], object]:
+  """Wall and process-CPU seconds of `repeats` calls. On a shared machine wall time swings
+  with the other jobs' load (3x here); the CPU time this process used barely moves (+-10%).
+  Also returns the last call's output."""
+  wall, cpu, out = [], [], None
+  for _ in range(repeats):
+    w0, c0 = time.perf_counter(), time.process_time()
+    out = jax.block_until_ready(fn())
+    wall.append(time.perf_counter() - w0)
+    cpu.append(time.process_time() - c0)
+  return wall, cpu, out
+
+
+def time_forward(model: Decoder, batch: int, tokens: int, window: int,
+                 repeats: int = 5) -> tuple[float, float]:
+  """Median (wall, CPU) seconds of one cached forward of `tokens` tokens per row over a
+  `window`-position cache (rows filled to window - tokens), logits and a greedy pick included,
+  measured as ITERS forwards in one jitted loop so that Python dispatch is not counted."""
   graphdef, params = nnx.split(model)
   cache = model.init_cache(batch, window).with_lengths(
       jnp.full((batch,), window - tokens, jnp.int32))
@@ -57,12 +71,8 @@ def time_forward(model: Decoder, batch: int, tokens: int, window: int, repeats: 
 
   toks = jnp.ones((batch, tokens), jnp.int32)
   jax.block_until_ready(run(params, cache, toks))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(params, cache, toks))
-    times.append((time.perf_counter() - t0) / ITERS)
-  return statistics.median(times)
+  wall, cpu, _ = _timed(lambda: run(params, cache, toks), repeats)
+  return statistics.median(wall) / ITERS, statistics.median(cpu) / ITERS
 
 
 def forward_grid(cfg: ModelConfig, batches, tokens, windows, repeats: int = 5,
@@ -70,9 +80,9 @@ def forward_grid(cfg: ModelConfig, batches, tokens, windows, repeats: int = 5,
   model = Decoder(cfg, rngs=nnx.Rngs(seed))
   rows = []
   for b, t, w in itertools.product(batches, tokens, windows):
-    s = time_forward(model, b, t, w, repeats)
-    rows.append({"batch": b, "tokens": t, "window": w, "seconds": s})
-    print(f"  b={b:<4} T={t:<3} W={w:<5} {s * 1e3:8.3f} ms", flush=True)
+    s, c = time_forward(model, b, t, w, repeats)
+    rows.append({"batch": b, "tokens": t, "window": w, "seconds": s, "seconds_cpu": c})
+    print(f"  b={b:<4} T={t:<3} W={w:<5} {s * 1e3:8.3f} ms (cpu {c * 1e3:8.3f} ms)", flush=True)
   return rows
 
 
@@ -150,11 +160,7 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
     t0 = time.perf_counter()
     out = jax.block_until_ready(run())
     first = time.perf_counter() - t0
-    times = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      out = jax.block_until_ready(run())
-      times.append(time.perf_counter() - t0)
+    times, cpu, out = _timed(run, repeats)
     acc = 1.0
     rates = []
     if out.stats is not None:
@@ -168,12 +174,14 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
     for s in segs:
       kpb[str(s["bucket"])] = s["draft_len"]
     out_arms[arm] = {"rollout_s": statistics.median(times), "rollout_s_min": min(times),
-                     "rollout_s_all": times, "first_call_s": first,
+                     "rollout_s_all": times, "rollout_cpu_s": statistics.median(cpu),
+                     "rollout_cpu_s_all": cpu, "first_call_s": first,
                      "acceptance_length": acc, "per_position_acceptance_rate": rates,
                      "tokens": int(np.sum(out.lengths)), "k_per_bucket": kpb,
                      "segments": segs, "lengths": [int(x) for x in np.asarray(out.lengths)]}
-    print(f"  {arm:<14} {statistics.median(times):7.3f} s (min {min(times):.3f}, first "
-          f"{first:.1f})  acc {acc:.2f}  segments {len(segs)}  K {kpb}", flush=True)
+    print(f"  {arm:<14} {statistics.median(times):7.3f} s (min {min(times):.3f}, cpu "
+          f"{statistics.median(cpu):.3f}, first {first:.1f})  acc {acc:.2f}  segments "
+          f"{len(segs)}  K {kpb}", flush=True)
   fields = model_fields(cfg)
   ref = out_arms.get("ar_static") or next(iter(out_arms.values()))
   return {"machine": machine(), "command": "", "config": {
