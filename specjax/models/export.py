@@ -15,8 +15,8 @@ from typing import Callable
 
 from specjax.models.config import DTYPES
 from specjax.models.decoder import Decoder
-from specjax.models.hf import (TOKENIZER_FILES, _tensor_files, config_from_hf, config_to_hf,
-                               detect_mtp_layout, save_pretrained)
+from specjax.models.hf import (_tensor_files, config_from_hf, config_to_hf, detect_mtp_layout,
+                               save_pretrained)
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "mlp_hidden", "qk_norm", "tie_embeddings")
