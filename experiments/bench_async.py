@@ -87,12 +87,12 @@ def main(argv=None) -> dict:
   from flax import nnx
 
   import importlib
-  from specjax.rl.async_config import AsyncConfig
-  from specjax.rl.async_loop import run_rl_async
+  from specjax.experiment.driver import (build_base_policy, build_draft_head, build_task,
+                                         build_tokenizer, run_modes)
+  from specjax.rl.async_rl.config import AsyncConfig
+  from specjax.rl.async_rl.loop import run_rl_async
   from specjax.rl.config import CheckpointConfig, ValidationConfig
-  from specjax.rl.experiment import (build_base_policy, build_draft_head, build_task,
-                                     build_tokenizer, run_modes)
-  from specjax.rl.logging import read_metrics
+  from specjax.rl.metrics_log import read_metrics
   from specjax.rl.loop import run_rl
 
   driver = importlib.import_module(args.experiment)

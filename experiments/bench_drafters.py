@@ -27,10 +27,10 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-from specjax.eagle import (DraftTrainConfig, LmTrainConfig, collect_rollouts,  # noqa: E402
-                           eagle3_drafter, eval_ttt, identity_maps, init_head, mtp_drafter,
-                           train_draft_head, train_lm)
-from specjax.eagle import toy  # noqa: E402
+import toy  # noqa: E402
+from specjax.eagle import (DraftTrainConfig, collect_rollouts, eagle3_drafter,  # noqa: E402
+                           eval_ttt, identity_maps, init_head, mtp_drafter, train_draft_head)
+from specjax.experiment.pretrain import LmTrainConfig, train_lm  # noqa: E402
 from specjax.models.tokenizer import CharTokenizer  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, NgramDrafter,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)

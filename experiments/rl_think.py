@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from specjax.rl.experiment import ExperimentConfig, biased_answer, parse_config, run_experiment
+from specjax.experiment.driver import ExperimentConfig, biased_answer, parse_config, run_experiment
 from specjax.rl.tasks import Example, Score, register_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from specjax.experiment.driver import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
+                                       biased_answer, parse_config, run_experiment)
 from specjax.models import ModelConfig
 from specjax.rl.config import (DraftConfig, GRPOConfig, OptimConfig, RLConfig, RolloutConfig,
                                TaskConfig, ValidationConfig, CheckpointConfig)
-from specjax.rl.experiment import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
-                                   biased_answer, parse_config, run_experiment)
 
 
 def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:

@@ -12,7 +12,7 @@ import stats
 from specjax.eagle import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
                            collect_rollouts, draft_to_target_probs, eagle3_drafter, identity_maps,
                            init_head, train_draft_head, ttt_forward)
-from specjax.eagle import toy
+from experiments import toy
 from specjax.models import Decoder
 from specjax.models.tokenizer import CharTokenizer
 from specjax.sampling import (AcceptanceMetrics, SamplingConfig, TargetStep, generate,

@@ -10,7 +10,7 @@ from flax import nnx
 from specjax.eagle import (Eagle3Head, HeadConfig, build_vocab_maps, build_vocab_maps_from_tokens,
                            draft_to_target_logits, draft_to_target_probs, identity_maps,
                            target_to_draft, ttt_loss)
-from specjax.eagle.toy import tiny_random_config
+from experiments.toy import tiny_random_config
 from specjax.models import Decoder
 
 CFG = tiny_random_config(mtp=False)

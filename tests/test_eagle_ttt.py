@@ -9,7 +9,7 @@ from flax import nnx
 from specjax.eagle import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
                            collect_rollouts, eval_ttt, load_head, save_head, train_draft_head,
                            ttt_attention_mask, ttt_forward, ttt_loss)
-from specjax.eagle.toy import tiny_prompts, tiny_random_config
+from experiments.toy import tiny_prompts, tiny_random_config
 from specjax.models import Decoder
 from specjax.sampling import SamplingConfig
 

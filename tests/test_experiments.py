@@ -64,7 +64,7 @@ def test_scratchpad_task_writes_partial_results_and_scores_the_final_answer():
 
 
 def test_bad_experiment_config_is_a_clear_error(tmp_path):
-  from specjax.rl.experiment import BaseModelConfig, ExperimentConfig, parse_config
+  from specjax.experiment.driver import BaseModelConfig, ExperimentConfig, parse_config
 
   with pytest.raises(ValueError, match="BaseModelConfig.bias"):
     BaseModelConfig(bias=1.5)

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.eagle import (LmTrainConfig, collect_rollouts, lm_mtp_loss, mtp_drafter, mtp_loss,
-                           train_lm)
-from specjax.eagle import toy
+from experiments import toy
+from specjax.eagle import collect_rollouts, mtp_drafter, mtp_loss
+from specjax.experiment.pretrain import LmTrainConfig, lm_mtp_loss, train_lm
 from specjax.models import Decoder
 from specjax.sampling import (AcceptanceMetrics, SamplingConfig, TargetStep, generate,
                               speculative_generate)

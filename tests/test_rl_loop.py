@@ -13,9 +13,9 @@ from flax import nnx
 from specjax.models import CharTokenizer, Decoder, ModelConfig
 from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
                                RolloutConfig, TaskConfig, ValidationConfig, load_config)
-from specjax.rl.logging import MetricsLogger, append_jsonl, read_metrics
+from specjax.experiment.pretrain import pretrain_lm
 from specjax.rl.loop import run_rl
-from specjax.rl.pretrain import pretrain_lm
+from specjax.rl.metrics_log import MetricsLogger, append_jsonl, read_metrics
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
 TOK = CharTokenizer()

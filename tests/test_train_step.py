@@ -138,7 +138,7 @@ def test_train_step_on_a_2x2x2_mesh_matches_the_single_device_step(setup):
 
 
 def test_online_mtp_trains_only_the_mtp_module_and_leaves_the_policy_gradient_exact(setup):
-  from specjax.rl.train_step import split_mtp
+  from specjax.eagle.mtp import split_mtp
 
   model = Decoder(MODEL.replace(mtp=True, num_layers=1), rngs=nnx.Rngs(2))
   graphdef, full = nnx.split(model)

@@ -1,4 +1,5 @@
-"""Feature-chained drafters (EAGLE-3 head, native MTP module) behind the `Drafter` protocol.
+"""Feature-chained drafters (EAGLE-3 head, native MTP module) behind the `Drafter` protocol, and
+the `eagle3` draft method.
 
 After each target forward the drafter runs its one-layer module on (target state at t, committed
 token t + 1) pairs into its own KV cache; it then drafts K tokens by feeding back its own states.
@@ -7,17 +8,20 @@ token t + 1) pairs into its own KV cache; it then drafts K tokens by feeding bac
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.eagle.head import Eagle3Head, HeadConfig
-from specjax.eagle.vocab import VocabMaps, draft_to_target_probs
+from specjax.eagle.head import Eagle3Head, HeadConfig, init_head
+from specjax.eagle.ttt import ttt_loss
+from specjax.eagle.vocab import VocabMaps, draft_to_target_probs, identity_maps
 from specjax.models.cache import KVCache
 from specjax.models.layers import causal_mask
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase,
+                                      register_method)
 
 
 @struct.dataclass
@@ -192,3 +196,44 @@ def eagle3_drafter(head: Eagle3Head, embed_table: jax.Array, maps: VocabMaps, *,
                           temperature=temperature, graphdef=graphdef,
                           head_cfg=head.cfg)
   return drafter, Eagle3Params(head=state, embed=embed_table, maps=maps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Method(DraftMethodBase):
+  """`eagle3`: an EAGLE-3 head (the `draft` object; a fresh one when None) in the "draft" group,
+  trained online by the TTT loss on the policy's own features; it drafts with the policy's
+  embedding and the vocabulary maps in `draft_aux`."""
+
+  name: ClassVar[str] = "eagle3"
+
+  def init(self, draft_cfg, *, policy_cfg, policy_params, draft, draft_maps, seed):
+    head = draft if draft is not None else init_head(policy_cfg, seed=seed)
+    head_params = nnx.split(head)[1] if isinstance(head, nnx.Module) else head[1]
+    maps = draft_maps if draft_maps is not None else identity_maps(policy_cfg.vocab_size)
+    return DraftInit(policy=policy_params, draft=head_params, draft_aux=maps, draft_obj=head)
+
+  def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
+    if draft is None:
+      raise ValueError("DraftConfig.kind='eagle3' needs the EAGLE-3 head (module or split)")
+    head = draft if isinstance(draft, nnx.Module) else nnx.merge(*draft)
+    return Eagle3Drafter(draft_len=draft_cfg.draft_len, vocab_size=policy_cfg.vocab_size,
+                         graphdef=nnx.graphdef(head), head_cfg=head.cfg), None
+
+  def train_graphdef(self, drafter):
+    return drafter.graphdef
+
+  def sampler_params(self, params, policy, draft_aux, fixed):
+    return Eagle3Params(head=params["draft"], embed=policy["embed"][...], maps=draft_aux)
+
+  @property
+  def online_loss(self):
+    return _eagle3_online_loss
+
+
+def _eagle3_online_loss(x: DraftLossInputs):
+  sg = jax.lax.stop_gradient
+  return ttt_loss(x.draft_graphdef, x.params["draft"], sg(x.embed), sg(x.out.aux_hidden),
+                  sg(x.out.logits), x.tokens, x.mask, x.draft_aux, num_steps=x.ttt_steps)
+
+
+register_method(Eagle3Method())

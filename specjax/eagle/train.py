@@ -16,6 +16,7 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from specjax.config_tree import check
 from specjax.eagle.head import Eagle3Head, init_head
 from specjax.eagle.ttt import ttt_loss
 from specjax.eagle.vocab import VocabMaps, build_vocab_maps_from_tokens
@@ -40,26 +41,28 @@ class DraftTrainConfig:
   seed: int = 0
 
   def __post_init__(self):
-    def check(cond, field, msg):
-      if not cond:
-        raise ValueError(f"DraftTrainConfig.{field}: {msg}")
-
-    check(self.steps >= 1, "steps", f"must be >= 1, got {self.steps}")
-    check(self.batch_size >= 1, "batch_size", f"must be >= 1, got {self.batch_size}")
-    check(self.learning_rate > 0, "learning_rate", f"must be > 0, got {self.learning_rate}")
-    check(0 <= self.warmup_steps < self.steps, "warmup_steps",
-          f"must lie in [0, steps={self.steps}), got {self.warmup_steps}")
-    check(0 <= self.final_lr_ratio <= 1, "final_lr_ratio",
-          f"must lie in [0, 1], got {self.final_lr_ratio}")
-    check(self.weight_decay >= 0, "weight_decay", f"must be >= 0, got {self.weight_decay}")
-    check(self.clip_norm > 0, "clip_norm", f"must be > 0, got {self.clip_norm}")
-    check(self.ttt_steps >= 1, "ttt_steps", f"must be >= 1, got {self.ttt_steps}")
-    check(0 < self.step_decay <= 1, "step_decay", f"must lie in (0, 1], got {self.step_decay}")
-    check(self.draft_vocab is None or self.draft_vocab >= 1, "draft_vocab",
+    w = "DraftTrainConfig"
+    check_optimizer_fields(self, w)
+    check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
+    check(0 < self.step_decay <= 1, f"{w}.step_decay", f"must lie in (0, 1], got {self.step_decay}")
+    check(self.draft_vocab is None or self.draft_vocab >= 1, f"{w}.draft_vocab",
           f"must be None or >= 1, got {self.draft_vocab}")
-    check(self.samples_per_prompt >= 1, "samples_per_prompt",
+    check(self.samples_per_prompt >= 1, f"{w}.samples_per_prompt",
           f"must be >= 1, got {self.samples_per_prompt}")
-    check(self.rollout_batch >= 1, "rollout_batch", f"must be >= 1, got {self.rollout_batch}")
+    check(self.rollout_batch >= 1, f"{w}.rollout_batch", f"must be >= 1, got {self.rollout_batch}")
+
+
+def check_optimizer_fields(cfg, where: str) -> None:
+  """Validate the fields `make_optimizer` reads (and `steps`, `batch_size`) of a training config."""
+  check(cfg.steps >= 1, f"{where}.steps", f"must be >= 1, got {cfg.steps}")
+  check(cfg.batch_size >= 1, f"{where}.batch_size", f"must be >= 1, got {cfg.batch_size}")
+  check(cfg.learning_rate > 0, f"{where}.learning_rate", f"must be > 0, got {cfg.learning_rate}")
+  check(0 <= cfg.warmup_steps < cfg.steps, f"{where}.warmup_steps",
+        f"must lie in [0, steps={cfg.steps}), got {cfg.warmup_steps}")
+  check(0 <= cfg.final_lr_ratio <= 1, f"{where}.final_lr_ratio",
+        f"must lie in [0, 1], got {cfg.final_lr_ratio}")
+  check(cfg.weight_decay >= 0, f"{where}.weight_decay", f"must be >= 0, got {cfg.weight_decay}")
+  check(cfg.clip_norm > 0, f"{where}.clip_norm", f"must be > 0, got {cfg.clip_norm}")
 
 
 def make_optimizer(cfg: DraftTrainConfig) -> optax.GradientTransformation:

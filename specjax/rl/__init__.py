@@ -1,5 +1,6 @@
 """GRPO with speculative rollouts: config, loss, the SPMD train step, the sync loop, checkpoints,
-metrics and tasks. Names below are imported lazily (`from specjax.rl import run_rl`)."""
+metrics and tasks (async RL in `specjax.rl.async_rl`). Names below are imported lazily
+(`from specjax.rl import run_rl`)."""
 
 import importlib
 
@@ -7,11 +8,13 @@ _EXPORTS = {
     "RLConfig": "config", "GRPOConfig": "config", "OptimConfig": "config", "DraftConfig": "config",
     "RolloutConfig": "config", "TaskConfig": "config", "ValidationConfig": "config",
     "CheckpointConfig": "config", "load_config": "config",
-    "group_advantages": "grpo", "grpo_loss": "grpo",
-    "Trainer": "train_step", "TrainBatch": "train_step", "TrainState": "train_step",
+    "group_advantages": "grpo", "grpo_loss": "grpo", "register_advantage": "grpo",
+    "ADVANTAGES": "grpo",
+    "Trainer": "train_step", "TrainStepConfig": "train_step", "TrainBatch": "train_step",
+    "TrainState": "train_step", "build_train_batch": "batch", "rollout_metrics": "batch",
     "run_rl": "loop", "setup_run": "loop", "rl_step": "loop", "validate": "loop",
-    "RolloutEngine": "rollout", "Checkpointer": "checkpoint", "MetricsLogger": "logging",
-    "read_metrics": "logging", "PhaseTimer": "timing", "pretrain_lm": "pretrain",
+    "RolloutEngine": "rollout", "Checkpointer": "checkpoint", "MetricsLogger": "metrics_log",
+    "read_metrics": "metrics_log", "PhaseTimer": "timing",
     "make_task": "tasks", "TASKS": "tasks",
 }
 

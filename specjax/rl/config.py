@@ -7,27 +7,17 @@ flags (tyro, e.g. `--grpo.group-size 8`) override the YAML.
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from typing import Any, Sequence
+from typing import Sequence
 
+import specjax.eagle  # noqa: F401  (registers the eagle3 and mtp draft methods)
+from specjax.config_tree import check as _check, load, one_of as _one_of
 from specjax.models.config import ModelConfig
+from specjax.rl.grpo import ADVANTAGES
+from specjax.sampling.methods import DraftMethod, get_method, method_names
 from specjax.sharding.mesh import MeshConfig
 
-ADV_MODES = ("grpo", "drgrpo", "loo")
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 SCHEDULES = ("constant", "cosine", "linear")
-DRAFT_KINDS = ("none", "eagle3", "draft-model", "mtp", "ngram", "group-ngram")
-ONLINE_KINDS = ("eagle3", "mtp")  # drafters whose loss can ride along in the train step
-
-
-def _check(cond: bool, where: str, msg: str) -> None:
-  if not cond:
-    raise ValueError(f"{where}: {msg}")
-
-
-def _one_of(value, allowed, where: str) -> None:
-  _check(value in allowed, where, f"must be one of {list(allowed)}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,13 +33,14 @@ class GRPOConfig:
   def __post_init__(self):
     w = "GRPOConfig"
     _check(self.group_size >= 1, f"{w}.group_size", f"must be >= 1, got {self.group_size}")
-    _check(self.adv_mode == "drgrpo" or self.group_size >= 2, f"{w}.group_size",
-           f"adv_mode={self.adv_mode!r} needs group_size >= 2, got {self.group_size}")
+    _one_of(self.adv_mode, ADVANTAGES, f"{w}.adv_mode")
+    need = ADVANTAGES[self.adv_mode].min_group_size
+    _check(self.group_size >= need, f"{w}.group_size",
+           f"adv_mode={self.adv_mode!r} needs group_size >= {need}, got {self.group_size}")
     _check(0 <= self.clip_low < 1, f"{w}.clip_low", f"must be in [0, 1), got {self.clip_low}")
     _check(self.clip_high >= 0, f"{w}.clip_high", f"must be >= 0, got {self.clip_high}")
     _check(self.beta >= 0, f"{w}.beta", f"must be >= 0, got {self.beta}")
     _check(self.adv_eps > 0, f"{w}.adv_eps", f"must be > 0, got {self.adv_eps}")
-    _one_of(self.adv_mode, ADV_MODES, f"{w}.adv_mode")
     _one_of(self.loss_agg, LOSS_AGGS, f"{w}.loss_agg")
 
 
@@ -96,18 +87,23 @@ class DraftConfig:
 
   def __post_init__(self):
     w = "DraftConfig"
-    _one_of(self.kind, DRAFT_KINDS, f"{w}.kind")
+    _one_of(self.kind, method_names(), f"{w}.kind")
     _check(self.draft_len >= 1, f"{w}.draft_len", f"must be >= 1, got {self.draft_len}")
     _check(self.loss_weight >= 0, f"{w}.loss_weight", f"must be >= 0, got {self.loss_weight}")
     _check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
     _check(1 <= self.ngram_min <= self.ngram_max, f"{w}.ngram_min",
            f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-    _check(not self.online or self.kind in ONLINE_KINDS, f"{w}.online",
-           f"online adaptation needs kind in {list(ONLINE_KINDS)}, got kind={self.kind!r}")
+    _check(not self.online or self.method.online_loss is not None, f"{w}.online",
+           f"online adaptation needs kind in {method_names(online=True)}, got kind={self.kind!r}")
+
+  @property
+  def method(self) -> DraftMethod:
+    """The registered draft method named by `kind`."""
+    return get_method(self.kind)
 
   @property
   def speculative(self) -> bool:
-    return self.kind != "none"
+    return self.method.speculative
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,65 +235,7 @@ class RLConfig:
     return dataclasses.replace(self, **kw)
 
 
-# -- YAML + CLI ------------------------------------------------------------------------------------
-
-def _convert(tp: Any, value: Any, where: str) -> Any:
-  origin = typing.get_origin(tp)
-  if dataclasses.is_dataclass(tp):
-    return from_dict(tp, value, where)
-  if origin in (typing.Union, types.UnionType):
-    args = [a for a in typing.get_args(tp) if a is not type(None)]
-    if value is None:
-      return None
-    return _convert(args[0], value, where) if len(args) == 1 else value
-  if origin is tuple and isinstance(value, (list, tuple)):
-    return tuple(value)
-  if tp is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  return value
-
-
-def from_dict(cls: type, data: Any, where: str | None = None) -> Any:
-  """Build dataclass `cls` from a nested dict; unknown keys are errors that name the field."""
-  where = where or cls.__name__
-  if isinstance(data, cls):
-    return data
-  if not isinstance(data, dict):
-    raise ValueError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
-  hints = typing.get_type_hints(cls)
-  names = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(data) - names)
-  if unknown:
-    raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
-  kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
-  return cls(**kwargs)
-
-
 def load_config(yaml_path: str | None = None, cli_args: Sequence[str] | None = (),
                 base: RLConfig | None = None) -> RLConfig:
   """Defaults (or `base`) <- YAML file <- CLI flags. `cli_args=None` reads sys.argv."""
-  cfg = base or RLConfig()
-  if yaml_path:
-    import yaml
-
-    with open(yaml_path) as f:
-      data = yaml.safe_load(f) or {}
-    merged = _merge(dataclasses.asdict(cfg), data, "RLConfig")
-    cfg = from_dict(RLConfig, merged)
-  if cli_args is None or len(cli_args):
-    import tyro
-
-    cfg = tyro.cli(RLConfig, default=cfg, args=cli_args)
-  return cfg
-
-
-def _merge(base: dict, over: dict, where: str) -> dict:
-  if not isinstance(over, dict):
-    raise ValueError(f"{where}: expected a mapping, got {type(over).__name__}")
-  out = dict(base)
-  for k, v in over.items():
-    if k not in base:
-      raise ValueError(f"{where}.{k}: unknown field; known: {sorted(base)}")
-    out[k] = _merge(base[k], v, f"{where}.{k}") if isinstance(base[k], dict) and v is not None \
-        else v
-  return out
+  return load(RLConfig, yaml_path, cli_args, base)

@@ -7,37 +7,69 @@ micro-batches sum to exactly the full-batch loss (gradient accumulation).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from specjax.rl.config import GRPOConfig
+if TYPE_CHECKING:
+  from specjax.rl.config import GRPOConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+  """Advantages [N/G, G] of group-centred rewards (`centered` = r - group mean)."""
+
+  fn: Callable[[jax.Array, int, float], jax.Array]  # (centered [N/G, G], group_size, eps)
+  min_group_size: int = 2
+
+
+ADVANTAGES: dict[str, AdvantageEstimator] = {}
+
+
+def register_advantage(name: str, min_group_size: int = 2):
+  """Decorator: register `fn(centered, group_size, eps)` as the estimator `GRPOConfig.adv_mode`
+  names `name`."""
+  def add(fn):
+    ADVANTAGES[name] = AdvantageEstimator(fn, min_group_size)
+    return fn
+  return add
+
+
+@register_advantage("grpo")
+def _grpo(centered: jax.Array, group_size: int, eps: float) -> jax.Array:
+  """(r - mean) / (std + eps) with the unbiased std (ddof=1), as in TRL / verl."""
+  std = jnp.sqrt(jnp.sum(centered**2, axis=1, keepdims=True) / max(group_size - 1, 1))
+  return centered / (std + eps)
+
+
+@register_advantage("drgrpo", min_group_size=1)
+def _drgrpo(centered: jax.Array, group_size: int, eps: float) -> jax.Array:
+  """r - mean (Dr.GRPO drops the std scaling)."""
+  return centered
+
+
+@register_advantage("loo")
+def _loo(centered: jax.Array, group_size: int, eps: float) -> jax.Array:
+  """r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean) (RLOO baseline)."""
+  return centered * (group_size / max(group_size - 1, 1))
 
 
 def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
                      eps: float = 1e-6) -> jax.Array:
-  """float32[N] advantages of rewards[N] laid out as N / G consecutive groups of G samples.
-
-  grpo: (r - mean) / (std + eps) with the unbiased std (ddof=1), as in TRL / verl;
-  drgrpo: r - mean (Dr.GRPO drops the std scaling);
-  loo: r_i - mean_{j != i} r_j = G / (G - 1) * (r_i - mean) (RLOO baseline).
-  """
+  """float32[N] advantages of rewards[N] laid out as N / G consecutive groups of G samples, by
+  the estimator registered as `mode` (`ADVANTAGES`: grpo, drgrpo, loo)."""
   r = jnp.asarray(rewards, jnp.float32)
   if r.shape[0] % group_size:
     raise ValueError(f"group_advantages: {r.shape[0]} rewards are not a multiple of "
                      f"group_size={group_size}")
+  if mode not in ADVANTAGES:
+    raise ValueError(f"group_advantages: mode must be one of {list(ADVANTAGES)}, got {mode!r}")
   g = r.reshape(-1, group_size)
   centered = g - g.mean(axis=1, keepdims=True)
-  if mode == "drgrpo":
-    adv = centered
-  elif mode == "grpo":
-    std = jnp.sqrt(jnp.sum(centered**2, axis=1, keepdims=True) / max(group_size - 1, 1))
-    adv = centered / (std + eps)
-  elif mode == "loo":
-    adv = centered * (group_size / max(group_size - 1, 1))
-  else:
-    raise ValueError(f"group_advantages: mode must be grpo, drgrpo or loo, got {mode!r}")
-  return adv.reshape(-1)
+  return ADVANTAGES[mode].fn(centered, group_size, eps).reshape(-1)
 
 
 @struct.dataclass

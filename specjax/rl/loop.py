@@ -17,15 +17,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.checkpoint import Checkpointer
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.logging import MetricsLogger
+from specjax.rl.metrics_log import MetricsLogger
 from specjax.rl.rollout import (RolloutEngine, acceptance_summary, build_drafter,
                                 decode_completions, pad_prompts, sequence_arrays)
 from specjax.rl.tasks import Task, compute_rewards, make_task
 from specjax.rl.timing import PhaseTimer, format_summary
-from specjax.rl.train_step import TrainBatch, Trainer, TrainState, split_mtp
+from specjax.rl.train_step import Trainer, TrainState
 
 Hook = Callable[[int, dict], None]  # (step, metrics) after every step (metrics incl. validation)
 MAX_ERRORS_LOGGED = 5  # reward-function errors written to the JSONL per step
@@ -49,23 +50,6 @@ def _policy_split(policy) -> tuple[Any, Any]:
   return nnx.split(policy) if isinstance(policy, nnx.Module) else policy
 
 
-def _initial_draft(cfg: RLConfig, policy_cfg, policy_params, draft, draft_maps):
-  """(draft params, draft_aux, head for the drafter) of the train state's "draft" group."""
-  kind = cfg.draft.kind
-  if kind == "eagle3":
-    from specjax.eagle.head import init_head
-    from specjax.eagle.vocab import identity_maps
-
-    head = draft if draft is not None else init_head(policy_cfg, seed=cfg.seed)
-    head_params = nnx.split(head)[1] if isinstance(head, nnx.Module) else head[1]
-    maps = draft_maps if draft_maps is not None else identity_maps(policy_cfg.vocab_size)
-    return policy_params, head_params, maps, head
-  if kind == "mtp":
-    trunk, mtp = split_mtp(policy_params)
-    return trunk, mtp, (), draft
-  return policy_params, None, (), draft
-
-
 def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, draft=None,
               draft_maps=None, mesh=None) -> tuple[RLRun, TrainState]:
   """Build trainer, rollout engine and the initial train state: on `mesh` if given (then
@@ -75,12 +59,12 @@ def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, dra
   if mesh is None and cfg.use_mesh:
     from specjax.sharding import make_mesh
     mesh = make_mesh(cfg.mesh)
-  policy_params, draft_params, draft_aux, draft_obj = _initial_draft(cfg, policy_cfg, params,
-                                                                     draft, draft_maps)
-  drafter, drafter_params = build_drafter(cfg, graphdef, policy_cfg, draft_obj)
-  draft_graphdef = getattr(drafter, "graphdef", None) if cfg.draft.kind == "eagle3" else None
-  trainer = Trainer(cfg, graphdef, draft_graphdef, mesh=mesh)
-  state = trainer.init_state(policy_params, draft_params, draft_aux)
+  method = cfg.draft.method
+  init = method.init(cfg.draft, policy_cfg=policy_cfg, policy_params=params, draft=draft,
+                     draft_maps=draft_maps, seed=cfg.seed)
+  drafter, drafter_params = build_drafter(cfg, graphdef, policy_cfg, init.draft_obj)
+  trainer = Trainer(cfg, graphdef, method.train_graphdef(drafter), mesh=mesh)
+  state = trainer.init_state(init.policy, init.draft, init.draft_aux)
   task = task if task is not None else make_task(cfg.task, tokenizer)
   engine = RolloutEngine(cfg, graphdef, tokenizer, drafter, drafter_params)
   ref = trainer.forward_params(state.params) if cfg.grpo.beta > 0 else None
@@ -120,33 +104,15 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
     adv = group_advantages(rewards.rewards, g, cfg.grpo.adv_mode, cfg.grpo.adv_eps)
   with timer.phase("logprob") as p:
     tokens, mask, sampler_lp = sequence_arrays(rollout)
-    fwd = run.trainer.forward_params(state.params)
-    old = run.trainer.logprobs(fwd, tokens) * mask
-    ref = run.trainer.logprobs(run.ref_params, tokens) * mask if run.ref_params is not None \
-        else jnp.zeros_like(old)
-    delta = jnp.abs(old - sampler_lp) * mask
-    mismatch = {"mismatch/mean_abs": jnp.sum(delta) / jnp.maximum(mask.sum(), 1.0),
-                "mismatch/max_abs": jnp.max(delta)}
-    batch = TrainBatch(tokens=tokens, loss_mask=mask, advantages=adv, old_logprobs=old,
-                       ref_logprobs=ref)
-    p.sync((batch, mismatch))
+    batch, mismatch = p.sync(build_train_batch(run.trainer, state, run.ref_params, tokens, mask,
+                                               sampler_lp, adv))
   with timer.phase("train") as p:
     state, train_metrics = run.trainer.train_on_batch(state, batch)
     p.sync((state, train_metrics))
-  r = rewards.rewards.reshape(-1, g)
-  comp_len = np.asarray(jax.device_get(rollout.lengths))
   metrics = {
-      "reward/mean": float(r.mean()), "reward/std": float(r.std()),
-      "reward/accuracy": float(rewards.correct.mean()), "reward/errors": len(rewards.errors),
-      "reward/zero_std_groups": float(np.mean(r.std(axis=1) == 0)),
-      "response/length_mean": float(comp_len.mean()), "response/length_max": int(comp_len.max()),
-      "response/truncated": float(1.0 - np.asarray(jax.device_get(rollout.eos)).mean()),
-      "data/position": data_position + n_prompts, "data/prompts_cut": cut,
-      "gen/tokens": int(comp_len.sum()),
-      "gen/forward_steps": int(rollout.num_steps) if rollout.num_steps is not None else -1,
+      **rollout_metrics(rollout, rewards, g, data_position + n_prompts, cut),
       **{k: float(v) for k, v in jax.device_get(mismatch).items()},
       **{k: float(v) for k, v in jax.device_get(train_metrics).items()},
-      **acceptance_summary(rollout),
   }
   return state, metrics, rewards.errors
 

@@ -13,13 +13,11 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from specjax.models.config import DTYPES
 from specjax.rl.config import RLConfig
-from specjax.sampling import (AcceptanceMetrics, Drafter, GroupNgramDrafter,
-                              NgramDrafter, Rollout, SamplingConfig, generate,
-                              speculative_generate)
+from specjax.sampling import (AcceptanceMetrics, Drafter, GroupNgramDrafter, Rollout,
+                              SamplingConfig, generate, speculative_generate)
 
 
 def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
@@ -30,42 +28,13 @@ def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingC
 
 
 def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None) -> tuple[Drafter | None, Any]:
-  """(drafter, fixed drafter params) for cfg.draft.kind. `draft`: the draft `Decoder` (or its
-  split) for "draft-model"; the EAGLE-3 head (module or split) for "eagle3"; unused otherwise.
-  Drafters whose params follow training (eagle3, mtp) get them from `RolloutEngine.prepare`."""
-  d = cfg.draft
-  k = d.draft_len
-  if d.kind == "none":
-    return None, None
-  if d.kind == "ngram":
-    return NgramDrafter(draft_len=k, n=d.ngram_max, min_n=d.ngram_min), ()
-  if d.kind == "group-ngram":
-    return GroupNgramDrafter(draft_len=k, n=d.ngram_max, min_n=d.ngram_min,
-                             group_size=cfg.grpo.group_size), ()
-  if d.kind == "draft-model":
-    from specjax.sampling import DraftModelDrafter
-
-    if draft is None:
-      raise ValueError("DraftConfig.kind='draft-model' needs a draft Decoder (run_rl(draft=...))")
-    graphdef, params = nnx.split(draft) if isinstance(draft, nnx.Module) else draft
-    vocab = nnx.merge(graphdef, params).cfg.vocab_size
-    return DraftModelDrafter(draft_len=k, vocab_size=vocab, graphdef=graphdef), params
-  if d.kind == "eagle3":
-    from specjax.eagle.drafter import Eagle3Drafter
-
-    if draft is None:
-      raise ValueError("DraftConfig.kind='eagle3' needs the EAGLE-3 head (module or split)")
-    head = draft if isinstance(draft, nnx.Module) else nnx.merge(*draft)
-    return Eagle3Drafter(draft_len=k, vocab_size=policy_cfg.vocab_size,
-                         graphdef=nnx.graphdef(head), head_cfg=head.cfg), None
-  if d.kind == "mtp":
-    from specjax.eagle.mtp import MtpDrafter
-
-    if not policy_cfg.mtp:
-      raise ValueError("DraftConfig.kind='mtp' needs a policy with an MTP module (ModelConfig.mtp)")
-    return MtpDrafter(draft_len=k, vocab_size=policy_cfg.vocab_size, graphdef=policy_graphdef,
-                      model_cfg=policy_cfg), None
-  raise ValueError(f"DraftConfig.kind: unknown {d.kind!r}")
+  """(drafter, fixed drafter params) of the run's draft method (`DraftMethod.build_drafter`).
+  `draft`: the draft `Decoder` (or its split) for "draft-model", the EAGLE-3 head (module or split)
+  for "eagle3"; unused otherwise. Drafters whose params follow training (eagle3, mtp) get them
+  from `RolloutEngine.prepare`."""
+  return cfg.draft.method.build_drafter(cfg.draft, policy_graphdef=policy_graphdef,
+                                        policy_cfg=policy_cfg, draft=draft,
+                                        group_size=cfg.grpo.group_size)
 
 
 def cast_floats(tree: Any, dtype) -> Any:
@@ -87,21 +56,14 @@ class RolloutEngine:
   drafter_params: Any = None  # fixed params (draft model); None when they follow training
 
   def prepare(self, params: dict, forward_params: Any, draft_aux: Any = ()) -> tuple[Any, Any]:
-    """(policy params, drafter params) for the sampler from the train state's params. Colocated:
-    the same arrays; cast to cfg.rollout.gen_dtype when it differs."""
+    """(policy params, drafter params) for the sampler from the train state's params (the
+    drafter's by `DraftMethod.sampler_params`). Colocated: the same arrays; cast to
+    cfg.rollout.gen_dtype when it differs."""
     policy = forward_params
     if self.cfg.rollout.gen_dtype:
       policy = cast_floats(policy, DTYPES[self.cfg.rollout.gen_dtype])
-    kind = self.cfg.draft.kind
-    if kind == "eagle3":
-      from specjax.eagle.drafter import Eagle3Params
-
-      embed = policy["embed"][...]
-      drafter_params = Eagle3Params(head=params["draft"], embed=embed, maps=draft_aux)
-    elif kind == "mtp":
-      drafter_params = policy
-    else:
-      drafter_params = self.drafter_params
+    drafter_params = self.cfg.draft.method.sampler_params(params, policy, draft_aux,
+                                                          self.drafter_params)
     return policy, drafter_params
 
   def generate(self, policy, drafter_params, prompts: jax.Array, prompt_lengths: jax.Array,

@@ -16,8 +16,9 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specjax.rl.config import OptimConfig, RLConfig
+from specjax.rl.config import GRPOConfig, OptimConfig, RLConfig
 from specjax.rl.grpo import denominators, grpo_loss, token_logprobs
+from specjax.sampling.methods import DraftLossInputs, DraftMethod
 
 GROUPS = ("policy", "draft")
 
@@ -71,7 +72,7 @@ def _labels(params: dict) -> dict:
   return {group: jax.tree.map(lambda _: group, sub) for group, sub in params.items()}
 
 
-def make_optimizer(cfg: RLConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: RLConfig | TrainStepConfig) -> optax.GradientTransformation:
   """One multi_transform: "policy" and "draft" leaves each get their own clip + AdamW."""
   return optax.multi_transform(
       {"policy": make_transform(cfg.policy_optim, cfg.optimizer_steps),
@@ -113,59 +114,76 @@ def sequence_logprobs(logits: jax.Array, tokens: jax.Array,
   return jnp.concatenate([pad, lp], axis=1), jnp.concatenate([pad, ent], axis=1)
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Trainer:
-  """Static parts of the train step (graphdefs, config, optimizer) and its jitted functions.
+@dataclasses.dataclass(frozen=True)
+class TrainStepConfig:
+  """Exactly the parts of `RLConfig` the train step reads: a static argument of its jitted
+  functions (hashed by value), so a field it reads can never be missing from the cache key."""
 
-  The "draft" group: cfg.draft.kind "eagle3" -> an EAGLE-3 head (`draft_graphdef`) trained with
-  `ttt_loss`; "mtp" -> the policy's own MTP module, split off the policy state
-  (`split_mtp`) and trained with `mtp_loss`; both only when cfg.draft.online. Otherwise the draft
-  group is empty or frozen.
+  grpo: GRPOConfig
+  policy_optim: OptimConfig
+  draft_optim: OptimConfig
+  optimizer_steps: int  # span of the learning-rate schedules
+  minibatches: int  # optimizer steps per rollout batch
+  micro_batches: int  # gradient accumulation inside each optimizer step
+  temperature: float  # of the training-side logprobs (1.0 unless they follow the sampler's)
+  draft_method: DraftMethod
+  draft_online: bool  # the draft group learns from the method's online loss (DraftConfig checks
+  # that the method has one)
+  draft_loss_weight: float  # default lambda
+  ttt_steps: int  # EAGLE-3 TTT unroll of the online loss
+
+  @classmethod
+  def from_rl(cls, cfg: RLConfig) -> "TrainStepConfig":
+    r, d = cfg.rollout, cfg.draft
+    return cls(grpo=cfg.grpo, policy_optim=cfg.policy_optim, draft_optim=cfg.draft_optim,
+               optimizer_steps=cfg.optimizer_steps, minibatches=cfg.minibatches,
+               micro_batches=cfg.micro_batches,
+               temperature=r.temperature if r.train_temperature and r.temperature > 0 else 1.0,
+               draft_method=d.method, draft_online=d.online,
+               draft_loss_weight=d.loss_weight, ttt_steps=d.ttt_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """Static parts of the train step (its `TrainStepConfig`, graphdefs, mesh) and its jitted
+  functions. Built from an `RLConfig`; hashed and compared by value (the step config, graphdefs,
+  mesh): the module-level jitted functions below take the trainer as a static argument, so equal
+  trainers (e.g. a resumed run) share compiled programs.
+
+  The "draft" group holds what the draft method trains online (`DraftMethod.init`): an EAGLE-3
+  head (`draft_graphdef`), the policy's own MTP module split off the policy state, or nothing.
   """
 
-  cfg: RLConfig
+  cfg: dataclasses.InitVar[RLConfig]
   policy_graphdef: Any
   draft_graphdef: Any = None
   mesh: Mesh | None = None
+  step_cfg: TrainStepConfig = dataclasses.field(init=False)
 
-  # Hashable by value (the config fields the step reads, graphdefs, mesh): the module-level jitted
-  # functions below take the trainer as a static argument, so equal trainers (e.g. a resumed run)
-  # share compiled programs.
-  def __post_init__(self):  # subclasses extend it
-    pass
-
-  def _key(self) -> tuple:
-    c = self.cfg
-    return (type(self), c.model, c.grpo, c.policy_optim, c.draft_optim, c.draft,
-            c.rollout.temperature, c.rollout.train_temperature, c.micro_batches,
-            c.optimizer_steps, self.policy_graphdef, self.draft_graphdef, self.mesh)
-
-  def __hash__(self) -> int:
-    return hash(self._key())
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, Trainer) and self._key() == other._key()
+  def __post_init__(self, cfg: RLConfig):
+    object.__setattr__(self, "step_cfg", TrainStepConfig.from_rl(cfg))
 
   @property
   def tx(self) -> optax.GradientTransformation:
-    return make_optimizer(self.cfg)
+    return make_optimizer(self.step_cfg)
 
   @property
   def schedules(self) -> dict[str, optax.Schedule]:
-    return {"policy": make_schedule(self.cfg.policy_optim, self.cfg.optimizer_steps),
-            "draft": make_schedule(self.cfg.draft_optim, self.cfg.optimizer_steps)}
+    c = self.step_cfg
+    return {"policy": make_schedule(c.policy_optim, c.optimizer_steps),
+            "draft": make_schedule(c.draft_optim, c.optimizer_steps)}
 
   @property
-  def is_mtp(self) -> bool:
-    return self.cfg.draft.kind == "mtp"
+  def method(self) -> DraftMethod:
+    return self.step_cfg.draft_method
 
   @property
   def online(self) -> bool:
-    return self.cfg.draft.online and (self.is_mtp or self.draft_graphdef is not None)
+    return self.step_cfg.draft_online
 
   def forward_params(self, params: dict) -> Any:
-    """The state the policy forward merges from (policy + its MTP module for kind "mtp")."""
-    return nnx.merge_state(params["policy"], params["draft"]) if self.is_mtp else params["policy"]
+    """The state the policy forward merges from (`DraftMethod.forward_params`)."""
+    return self.method.forward_params(params)
 
   # -- state ---------------------------------------------------------------------------------
   def init_state(self, policy_params, draft_params=None, draft_aux=()) -> TrainState:
@@ -187,8 +205,7 @@ class Trainer:
   # -- pure functions ------------------------------------------------------------------------
   @property
   def temperature(self) -> float:
-    r = self.cfg.rollout
-    return r.temperature if r.train_temperature and r.temperature > 0 else 1.0
+    return self.step_cfg.temperature
 
   def _forward(self, forward_params, tokens):
     model = nnx.merge(self.policy_graphdef, forward_params)
@@ -199,38 +216,29 @@ class Trainer:
     return sequence_logprobs(out.logits, tokens, self.temperature)[0]
 
   def _loss(self, params, batch: TrainBatch, draft_aux, draft_weight, denom):
+    c = self.step_cfg
     model, out = self._forward(self.forward_params(params), batch.tokens)
     lp, entropy = sequence_logprobs(out.logits, batch.tokens, self.temperature)
     mask = batch.loss_mask.astype(jnp.float32)
-    ref = batch.ref_logprobs if self.cfg.grpo.beta > 0 else None
-    loss, metrics = grpo_loss(lp, batch.old_logprobs, batch.advantages, mask, self.cfg.grpo, ref,
+    ref = batch.ref_logprobs if c.grpo.beta > 0 else None
+    loss, metrics = grpo_loss(lp, batch.old_logprobs, batch.advantages, mask, c.grpo, ref,
                               denom, pg_weights=batch.pg_weights)
     metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask) / denom.tokens
-    sg = jax.lax.stop_gradient
-    if self.online and self.is_mtp:
-      from specjax.eagle.mtp import mtp_loss
-
-      # the trunk (embedding, LM head) enters only under stop_gradient
-      frozen = nnx.merge(self.policy_graphdef, sg(params["policy"]), params["draft"])
-      draft_loss, dm = mtp_loss(frozen, sg(out.hidden), batch.tokens, mask)
-      dm["loss"] = draft_loss
-    elif self.online:
-      from specjax.eagle.ttt import ttt_loss
-
-      draft_loss, dm = ttt_loss(self.draft_graphdef, params["draft"], sg(model.embed[...]),
-                                sg(out.aux_hidden), sg(out.logits), batch.tokens, mask, draft_aux,
-                                num_steps=self.cfg.draft.ttt_steps)
     if self.online:
+      draft_loss, dm = self.method.online_loss(DraftLossInputs(
+          params=params, embed=model.embed[...], out=out, tokens=batch.tokens, mask=mask,
+          draft_aux=draft_aux, policy_graphdef=self.policy_graphdef,
+          draft_graphdef=self.draft_graphdef, ttt_steps=c.ttt_steps))
       loss = loss + draft_weight * draft_loss
       metrics.update({f"draft/{k}": v / self._micro for k, v in dm.items()})
     return loss, metrics
 
   @property
   def _micro(self) -> int:
-    return self.cfg.micro_batches
+    return self.step_cfg.micro_batches
 
   def _grads(self, state: TrainState, batch: TrainBatch, draft_weight):
-    """(grads, metrics) summed over `cfg.micro_batches` micro-batches (lax.scan)."""
+    """(grads, metrics) summed over `micro_batches` micro-batches (lax.scan)."""
     denom = denominators(batch.loss_mask.astype(jnp.float32))
     grad_fn = jax.grad(self._loss, has_aux=True)
     m = self._micro
@@ -273,14 +281,14 @@ class Trainer:
   # -- public entry points -----------------------------------------------------------------
   def step(self, state: TrainState, batch: TrainBatch,
            draft_weight: float | None = None) -> tuple[TrainState, dict]:
-    """One optimizer step; `draft_weight` (lambda) defaults to cfg.draft.loss_weight."""
-    w = self.cfg.draft.loss_weight if draft_weight is None else draft_weight
+    """One optimizer step; `draft_weight` (lambda) defaults to DraftConfig.loss_weight."""
+    w = self.step_cfg.draft_loss_weight if draft_weight is None else draft_weight
     return _step_jit(self, state, self.place_batch(batch), jnp.float32(w))
 
   def train_on_batch(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-    """cfg.minibatches optimizer steps on consecutive slices of a rollout batch, all against
+    """RLConfig.minibatches optimizer steps on consecutive slices of a rollout batch, all against
     the same old logprobs (later slices see ratios != 1, so clipping matters); mean metrics."""
-    n = self.cfg.minibatches
+    n = self.step_cfg.minibatches
     if n == 1:
       return self.step(state, batch)
     rows = batch.tokens.shape[0] // n
@@ -291,12 +299,12 @@ class Trainer:
     return state, jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
 
   def grads(self, state: TrainState, batch: TrainBatch, draft_weight: float | None = None):
-    w = self.cfg.draft.loss_weight if draft_weight is None else draft_weight
+    w = self.step_cfg.draft_loss_weight if draft_weight is None else draft_weight
     return _grads_jit(self, state, self.place_batch(batch), jnp.float32(w))
 
   def logprobs(self, forward_params, tokens: jax.Array) -> jax.Array:
     """Training-side logprobs [B, S] of a batch of sequences (old / reference logprobs);
-    `forward_params` is `forward_params(state.params)` (the policy state for most kinds)."""
+    `forward_params` is `forward_params(state.params)` (the policy state for most methods)."""
     if self.mesh is not None:
       from specjax.sharding import shard_batch
       tokens = shard_batch(tokens, self.mesh)
@@ -307,9 +315,3 @@ _step_jit = jax.jit(lambda t, *args: t._train_step(*args), static_argnums=0)
 _grads_jit = jax.jit(lambda t, *args: t._grads(*args), static_argnums=0)
 _logprobs_jit = jax.jit(lambda t, *args: t._logprobs(*args), static_argnums=0)
 
-
-def split_mtp(policy_state) -> tuple[Any, Any]:
-  """(trunk, mtp) parts of a decoder state with an MTP module: the "policy" and "draft" groups
-  of an online-MTP run. `nnx.merge_state(trunk, mtp)` is the full state again."""
-  mtp, trunk = nnx.split_state(policy_state, nnx.PathContains("mtp"), ...)
-  return trunk, mtp

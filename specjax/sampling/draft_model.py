@@ -8,7 +8,7 @@ the cheapest draft that agrees with a random-weight target often enough to bench
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +17,7 @@ from flax import nnx
 from specjax.models.cache import KVCache
 from specjax.models.decoder import Decoder
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+from specjax.sampling.methods import DraftMethodBase, register_method
 from specjax.sampling.processing import process_logits
 
 
@@ -107,3 +108,21 @@ def truncated_copy(model: Decoder, num_layers: int) -> Decoder:
   nnx.replace_by_pure_dict(state, pure)
   nnx.update(draft, state)
   return draft
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftModelMethod(DraftMethodBase):
+  """`draft-model`: a smaller `Decoder` (the `draft` object, module or split) with fixed params."""
+
+  name: ClassVar[str] = "draft-model"
+
+  def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
+    if draft is None:
+      raise ValueError("DraftConfig.kind='draft-model' needs a draft Decoder (run_rl(draft=...))")
+    graphdef, params = nnx.split(draft) if isinstance(draft, nnx.Module) else draft
+    vocab = nnx.merge(graphdef, params).cfg.vocab_size
+    return DraftModelDrafter(draft_len=draft_cfg.draft_len, vocab_size=vocab,
+                             graphdef=graphdef), params
+
+
+register_method(DraftModelMethod())

@@ -8,11 +8,14 @@ p(x), so the output distribution is the target's whatever the lookup proposes.
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
 
+from specjax.config_tree import check
 from specjax.sampling.drafter import Drafter, Sequences
+from specjax.sampling.methods import DraftMethodBase, register_method
 
 
 def _windows_match(ctx: jax.Array, ctx_len: jax.Array, suffix: jax.Array) -> jax.Array:
@@ -72,11 +75,6 @@ def lookup(seq: Sequences, draft_len: int, n: int, min_n: int, group_size: int) 
   return drafts
 
 
-def _check(cls: str, cond: bool, field: str, msg: str) -> None:
-  if not cond:
-    raise ValueError(f"{cls}.{field}: {msg}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class NgramDrafter(Drafter):
   """Prompt lookup: continue the most recent earlier occurrence of the last `n` tokens in the
@@ -87,10 +85,10 @@ class NgramDrafter(Drafter):
 
   def __post_init__(self):
     name = type(self).__name__
-    _check(name, self.draft_len >= 1, "draft_len", f"must be >= 1, got {self.draft_len}")
-    _check(name, self.n >= 1, "n", f"must be >= 1, got {self.n}")
-    _check(name, 1 <= self.min_n <= self.n, "min_n",
-           f"must be in [1, n={self.n}], got {self.min_n}")
+    check(self.draft_len >= 1, f"{name}.draft_len", f"must be >= 1, got {self.draft_len}")
+    check(self.n >= 1, f"{name}.n", f"must be >= 1, got {self.n}")
+    check(1 <= self.min_n <= self.n, f"{name}.min_n",
+          f"must be in [1, n={self.n}], got {self.min_n}")
 
   @property
   def group(self) -> int:
@@ -109,9 +107,35 @@ class GroupNgramDrafter(NgramDrafter):
 
   def __post_init__(self):
     super().__post_init__()
-    _check(type(self).__name__, self.group_size >= 1, "group_size",
-           f"must be >= 1, got {self.group_size}")
+    check(self.group_size >= 1, f"{type(self).__name__}.group_size",
+          f"must be >= 1, got {self.group_size}")
 
   @property
   def group(self) -> int:
     return self.group_size
+
+@dataclasses.dataclass(frozen=True)
+class NgramMethod(DraftMethodBase):
+  """`ngram`: prompt lookup in the row's own context; nothing to train, no params."""
+
+  name: ClassVar[str] = "ngram"
+
+  def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
+    d = draft_cfg
+    return NgramDrafter(draft_len=d.draft_len, n=d.ngram_max, min_n=d.ngram_min), ()
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupNgramMethod(DraftMethodBase):
+  """`group-ngram`: n-gram lookup that also searches the row's GRPO group (G siblings)."""
+
+  name: ClassVar[str] = "group-ngram"
+
+  def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
+    d = draft_cfg
+    return GroupNgramDrafter(draft_len=d.draft_len, n=d.ngram_max, min_n=d.ngram_min,
+                             group_size=group_size), ()
+
+
+register_method(NgramMethod())
+register_method(GroupNgramMethod())

@@ -12,15 +12,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.rl.async_config import AsyncConfig
-from specjax.rl.async_loss import tis_weights, weight_metrics
-from specjax.rl.async_worker import RolloutBatch, RolloutWorker
+from specjax.rl.async_rl.config import AsyncConfig
+from specjax.rl.async_rl.importance import tis_weights, weight_metrics
+from specjax.rl.async_rl.worker import RolloutBatch, RolloutWorker
+from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.loop import (Hook, RLRun, close_run, finish_step, open_run, prompt_width,
                              setup_run)
-from specjax.rl.rollout import (RolloutEngine, acceptance_summary, decode_completions,
-                                pad_prompts, sequence_arrays)
+from specjax.rl.rollout import RolloutEngine, decode_completions, pad_prompts, sequence_arrays
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
 from specjax.rl.timing import PhaseTimer, format_summary
 from specjax.rl.train_step import TrainBatch, Trainer, TrainState
@@ -102,20 +102,8 @@ def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Arr
     clock.lap("gen", (rollout, tokens, mask, sampler_lp))
     texts = decode_completions(tok, rollout)
     rewards = compute_rewards(task.score, texts, [e for e in examples for _ in range(g)])
-    r = rewards.rewards.reshape(-1, g)
-    comp_len = np.asarray(jax.device_get(rollout.lengths))
-    metrics = {
-        "reward/mean": float(r.mean()), "reward/std": float(r.std()),
-        "reward/accuracy": float(rewards.correct.mean()), "reward/errors": len(rewards.errors),
-        "reward/zero_std_groups": float(np.mean(r.std(axis=1) == 0)),
-        "response/length_mean": float(comp_len.mean()),
-        "response/length_max": int(comp_len.max()),
-        "response/truncated": float(1.0 - np.asarray(jax.device_get(rollout.eos)).mean()),
-        "data/position": position + n, "data/prompts_cut": cut,
-        "gen/tokens": int(comp_len.sum()),
-        "gen/forward_steps": int(rollout.num_steps) if rollout.num_steps is not None else -1,
-        "gen/tokens_per_s": float(comp_len.sum()) / max(clock.times["gen"], 1e-9),
-        **acceptance_summary(rollout)}
+    metrics = rollout_metrics(rollout, rewards, g, position + n, cut)
+    metrics["gen/tokens_per_s"] = metrics["gen/tokens"] / max(clock.times["gen"], 1e-9)
     clock.lap("reward")
     return ScoredRollout(tokens, mask, sampler_lp, rewards, metrics, clock.times)
 
@@ -142,19 +130,13 @@ def train_batch(run: RLRun, async_cfg: AsyncConfig, state: TrainState,
   trainer, g = run.trainer, run.cfg.grpo
   tokens, mask, sampler_lp = shard_batch(
       (scored.tokens, scored.loss_mask, scored.sampler_logprobs), run.mesh)
-  old = trainer.logprobs(trainer.forward_params(state.params), tokens) * mask
-  ref = trainer.logprobs(run.ref_params, tokens) * mask if run.ref_params is not None \
-      else jnp.zeros_like(old)
   adv = group_advantages(scored.rewards.rewards, g.group_size, g.adv_mode, g.adv_eps)
-  delta = jnp.abs(old - sampler_lp) * mask
-  extra = {"mismatch/mean_abs": jnp.sum(delta) / jnp.maximum(mask.sum(), 1.0),
-           "mismatch/max_abs": jnp.max(delta)}
-  fields = dict(tokens=tokens, loss_mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref)
+  batch, extra = build_train_batch(trainer, state, run.ref_params, tokens, mask, sampler_lp, adv)
   if not async_cfg.is_correction:
-    return TrainBatch(**fields), extra
-  w = tis_weights(old, sampler_lp, mask, async_cfg.is_clip)
+    return batch, extra
+  w = tis_weights(batch.old_logprobs, sampler_lp, mask, async_cfg.is_clip)
   extra.update(weight_metrics(w, mask, async_cfg.is_clip))
-  return TrainBatch(**fields, pg_weights=w), extra
+  return batch.replace(pg_weights=w), extra
 
 
 def check_batch(item: RolloutBatch, step: int, policy_lag: int) -> int:

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from specjax.rl.logging import read_metrics
+from specjax.rl.metrics_log import read_metrics
 
 PHASE_ORDER = ("data", "prepare", "gen", "reward", "logprob", "train")
 

@@ -12,15 +12,15 @@ import hashlib
 import json
 import os
 import shutil
-import sys
 import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
 from flax import nnx
 
-from specjax.rl.async_config import AsyncConfig
-from specjax.rl.config import RLConfig, _merge, from_dict
+from specjax.config_tree import check, one_of, parse_args
+from specjax.rl.async_rl.config import AsyncConfig
+from specjax.rl.config import RLConfig
 
 Examples = Callable[[Any, int, int, float], list]  # (task, n, seed, bias) -> [(prompt, completion)]
 
@@ -39,15 +39,13 @@ class BaseModelConfig:
   bias: float = 0.0
 
   def __post_init__(self):
+    w = "BaseModelConfig"
     for name in ("steps", "examples", "batch_size"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"BaseModelConfig.{name}: must be >= 1, got {getattr(self, name)}")
-    if self.lr <= 0:
-      raise ValueError(f"BaseModelConfig.lr: must be > 0, got {self.lr}")
-    if not 0 <= self.bias < 1:
-      raise ValueError(f"BaseModelConfig.bias: must be in [0, 1), got {self.bias}")
-    if self.finetune_steps < 0:
-      raise ValueError(f"BaseModelConfig.finetune_steps: must be >= 0, got {self.finetune_steps}")
+      check(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
+    check(self.lr > 0, f"{w}.lr", f"must be > 0, got {self.lr}")
+    check(0 <= self.bias < 1, f"{w}.bias", f"must be in [0, 1), got {self.bias}")
+    check(self.finetune_steps >= 0, f"{w}.finetune_steps",
+          f"must be >= 0, got {self.finetune_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,12 +59,10 @@ class DraftInitConfig:
   domain: str = "in-domain"  # in-domain: the RL task's prompts; general: other text
 
   def __post_init__(self):
+    w = "DraftInitConfig"
     for name in ("steps", "prompts", "batch_size"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"DraftInitConfig.{name}: must be >= 1, got {getattr(self, name)}")
-    if self.domain not in ("in-domain", "general"):
-      raise ValueError(f"DraftInitConfig.domain: must be 'in-domain' or 'general', "
-                       f"got {self.domain!r}")
+      check(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
+    one_of(self.domain, ("in-domain", "general"), f"{w}.domain")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,38 +81,16 @@ class ExperimentConfig:
   async_rl: AsyncConfig = AsyncConfig()
 
   def __post_init__(self):
-    if not self.name or os.sep in self.name:
-      raise ValueError(f"ExperimentConfig.name: must be a plain directory name, got {self.name!r}")
+    check(bool(self.name) and os.sep not in self.name, "ExperimentConfig.name",
+          f"must be a plain directory name, got {self.name!r}")
 
 
 def parse_config(defaults: ExperimentConfig, argv: Sequence[str] | None = None) -> ExperimentConfig:
   """defaults <- YAML (`--config file.yaml`, nested like the dataclasses) <- CLI flags (tyro)."""
   import tyro
 
-  argv = list(sys.argv[1:] if argv is None else argv)
-  yaml_path = None
-  for i, a in enumerate(argv):
-    if a == "--config" and i + 1 < len(argv):
-      yaml_path = argv[i + 1]
-      argv = argv[:i] + argv[i + 2:]
-      break
-    if a.startswith("--config="):
-      yaml_path = a.split("=", 1)[1]
-      argv = argv[:i] + argv[i + 1:]
-      break
-  cfg = defaults
-  if yaml_path:
-    import yaml
-
-    if not os.path.exists(yaml_path):
-      raise FileNotFoundError(f"--config: {yaml_path} does not exist")
-    with open(yaml_path) as f:
-      data = yaml.safe_load(f) or {}
-    cfg = from_dict(ExperimentConfig,
-                    _merge(dataclasses.asdict(cfg), data, f"{yaml_path}: ExperimentConfig"))
-  return tyro.cli(ExperimentConfig, default=cfg, args=argv,
-                  config=(tyro.conf.AvoidSubcommands,),
-                  description="AR vs speculative GRPO on one task (see README).")
+  return parse_args(defaults, argv, config=(tyro.conf.AvoidSubcommands,),
+                    description="AR vs speculative GRPO on one task (see README).")
 
 
 def _digest(*parts: Any) -> str:
@@ -172,7 +146,7 @@ def _model_cfg(cfg: ExperimentConfig, tokenizer):
 def _pretrain(model_cfg, examples: list, tokenizer, base: BaseModelConfig, steps: int, seed: int,
               start=None):
   from specjax.models import Decoder
-  from specjax.rl.pretrain import pretrain_lm
+  from specjax.experiment.pretrain import pretrain_lm
 
   model = start if start is not None else Decoder(model_cfg, rngs=nnx.Rngs(seed))
   model, history = pretrain_lm(model, examples, tokenizer, steps=steps,
@@ -249,11 +223,15 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
   return load_head(os.path.abspath(path), policy.cfg)
 
 
+# draft methods whose draft the experiment trains offline before RL: (draft, draft_maps) builders
+OFFLINE_DRAFT_INIT = {"eagle3": build_draft_head}
+
+
 def run_modes(cfg: ExperimentConfig) -> list[tuple[str, RLConfig]]:
   """(label, RL config) of each run: the AR baseline and the speculative run, same seed/data."""
   spec = cfg.rl
   ar = dataclasses.replace(spec, draft=dataclasses.replace(spec.draft, kind="none", online=False))
-  if spec.draft.kind == "none":
+  if not spec.draft.speculative:
     return [("ar", ar)]
   return [("ar", ar), ("spec", spec)] if cfg.compare else [("spec", spec)]
 
@@ -261,7 +239,7 @@ def run_modes(cfg: ExperimentConfig) -> list[tuple[str, RLConfig]]:
 def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
                    finetune_examples: Examples | None = None, log=print) -> dict[str, Any]:
   """All stages; returns the summary written to <out_dir>/<name>/summary.json."""
-  from specjax.rl.report import write_report
+  from specjax.experiment.report import write_report
 
   t_start = time.perf_counter()
   out = os.path.join(cfg.out_dir, cfg.name)
@@ -270,8 +248,9 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   task = build_task(cfg, tokenizer)
   policy = build_base_policy(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
   head, maps = None, None
-  if cfg.rl.draft.kind == "eagle3":
-    head, maps = build_draft_head(cfg, policy, tokenizer, task, log=log)
+  offline_init = OFFLINE_DRAFT_INIT.get(cfg.rl.draft.kind)
+  if offline_init is not None:
+    head, maps = offline_init(cfg, policy, tokenizer, task, log=log)
   initial = initial_validation(cfg, policy, tokenizer, task, log=log)
   results = {}
   for label, rl_cfg in run_modes(cfg):
@@ -286,7 +265,7 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
     kw = dict(out_dir=run_dir, draft=head if label == "spec" else None,
               draft_maps=maps if label == "spec" else None, verbose=True)
     if cfg.async_rl.enabled:
-      from specjax.rl.async_loop import run_rl_async
+      from specjax.rl.async_rl.loop import run_rl_async
       summary = run_rl_async(rl_cfg, cfg.async_rl, (graphdef, params), tokenizer, task, **kw)
     else:
       from specjax.rl.loop import run_rl

@@ -1,4 +1,5 @@
-"""Toy corpora and a tiny pretrained target for drafter tests and benchmarks (CPU-sized).
+"""Toy corpora and a tiny pretrained target for drafter tests and benchmarks (CPU-sized; scaffolding,
+not library code: tests import it as `experiments.toy`, benchmarks as `toy`).
 
 In-domain: character-level chained additions "Q:12+7+30=?A:12+7=19,19+30=49.#49"; general: simple
 English sentences. The target is pretrained on both, jointly with its MTP module when it has one.
@@ -9,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from specjax.eagle.mtp import LmTrainConfig, train_lm
+from specjax.experiment.pretrain import LmTrainConfig, train_lm
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Decoder
 from specjax.models.tokenizer import CharTokenizer

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.config_tree import check
 from specjax.sharding.mesh import MeshConfig
 
 MAX_POLICY_LAG = 2
@@ -32,17 +33,15 @@ class AsyncConfig:
 
   def __post_init__(self):
     w = "AsyncConfig"
-    if not 0 <= self.policy_lag <= MAX_POLICY_LAG:
-      raise ValueError(f"{w}.policy_lag: must be in [0, {MAX_POLICY_LAG}], got {self.policy_lag}")
-    if not 0.0 < self.gen_fraction < 1.0:
-      raise ValueError(f"{w}.gen_fraction: must be in (0, 1), got {self.gen_fraction}")
-    if self.queue_size < 1:
-      raise ValueError(f"{w}.queue_size: must be >= 1, got {self.queue_size}")
-    if not self.is_clip >= 1.0:
-      raise ValueError(f"{w}.is_clip: must be >= 1 (a cap on pi_old / pi_sampler), "
-                       f"got {self.is_clip}")
-    if not self.shutdown_timeout_s > 0:
-      raise ValueError(f"{w}.shutdown_timeout_s: must be > 0, got {self.shutdown_timeout_s}")
+    check(0 <= self.policy_lag <= MAX_POLICY_LAG, f"{w}.policy_lag",
+          f"must be in [0, {MAX_POLICY_LAG}], got {self.policy_lag}")
+    check(0.0 < self.gen_fraction < 1.0, f"{w}.gen_fraction",
+          f"must be in (0, 1), got {self.gen_fraction}")
+    check(self.queue_size >= 1, f"{w}.queue_size", f"must be >= 1, got {self.queue_size}")
+    check(self.is_clip >= 1.0, f"{w}.is_clip",
+          f"must be >= 1 (a cap on pi_old / pi_sampler), got {self.is_clip}")
+    check(self.shutdown_timeout_s > 0, f"{w}.shutdown_timeout_s",
+          f"must be > 0, got {self.shutdown_timeout_s}")
     for name in ("gen_mesh", "train_mesh"):
-      if not isinstance(getattr(self, name), MeshConfig):
-        raise ValueError(f"{w}.{name}: must be a MeshConfig, got {getattr(self, name)!r}")
+      check(isinstance(getattr(self, name), MeshConfig), f"{w}.{name}",
+            f"must be a MeshConfig, got {getattr(self, name)!r}")

@@ -1,0 +1,118 @@
+"""Config helpers shared by every config tree: field checks whose errors name the field, dataclasses
+built from nested dicts, and loading one tree from defaults <- a YAML file <- dotted CLI flags (tyro).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import types
+import typing
+from typing import Any, Iterable, Sequence, TypeVar
+
+T = TypeVar("T")
+
+
+def check(cond: bool, where: str, msg: str) -> None:
+  """Raise `ValueError("<where>: <msg>")` unless `cond`; `where` names the field (Config.field)."""
+  if not cond:
+    raise ValueError(f"{where}: {msg}")
+
+
+def one_of(value: Any, allowed: Iterable[Any], where: str) -> None:
+  allowed = list(allowed)
+  check(value in allowed, where, f"must be one of {allowed}, got {value!r}")
+
+
+def _convert(tp: Any, value: Any, where: str) -> Any:
+  origin = typing.get_origin(tp)
+  if dataclasses.is_dataclass(tp):
+    return from_dict(tp, value, where)
+  if origin in (typing.Union, types.UnionType):
+    args = [a for a in typing.get_args(tp) if a is not type(None)]
+    if value is None:
+      return None
+    return _convert(args[0], value, where) if len(args) == 1 else value
+  if origin is tuple and isinstance(value, (list, tuple)):
+    return tuple(value)
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  return value
+
+
+def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
+  """Build dataclass `cls` from a nested dict; unknown keys are errors that name the field."""
+  where = where or cls.__name__
+  if isinstance(data, cls):
+    return data
+  if not isinstance(data, dict):
+    raise ValueError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+  hints = typing.get_type_hints(cls)
+  names = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(data) - names)
+  if unknown:
+    raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+  kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
+  return cls(**kwargs)
+
+
+def merge(base: dict, over: dict, where: str) -> dict:
+  """`base` with the (nested) values of `over`; a key `base` lacks is an error naming it."""
+  if not isinstance(over, dict):
+    raise ValueError(f"{where}: expected a mapping, got {type(over).__name__}")
+  out = dict(base)
+  for k, v in over.items():
+    if k not in base:
+      raise ValueError(f"{where}.{k}: unknown field; known: {sorted(base)}")
+    out[k] = merge(base[k], v, f"{where}.{k}") if isinstance(base[k], dict) and v is not None \
+        else v
+  return out
+
+
+def apply_yaml(cfg: T, yaml_path: str, where: str | None = None) -> T:
+  """`cfg` with the values of a YAML file nested like its dataclasses."""
+  import yaml
+
+  with open(yaml_path) as f:
+    data = yaml.safe_load(f) or {}
+  cls = type(cfg)
+  return from_dict(cls, merge(dataclasses.asdict(cfg), data, where or cls.__name__))
+
+
+def apply_cli(cfg: T, args: Sequence[str], **tyro_kw: Any) -> T:
+  """`cfg` with dotted CLI flags (tyro: `--grpo.group-size 8`) applied."""
+  import tyro
+
+  return tyro.cli(type(cfg), default=cfg, args=list(args), **tyro_kw)
+
+
+def load(cls: type[T], yaml_path: str | None = None, cli_args: Sequence[str] | None = (),
+         base: T | None = None) -> T:
+  """Defaults (`base`, else `cls()`) <- YAML file <- CLI flags (`cli_args=None` reads sys.argv)."""
+  cfg = base if base is not None else cls()
+  if yaml_path:
+    cfg = apply_yaml(cfg, yaml_path)
+  args = sys.argv[1:] if cli_args is None else list(cli_args)
+  return apply_cli(cfg, args) if args else cfg
+
+
+def split_config_flag(argv: Sequence[str]) -> tuple[str | None, list[str]]:
+  """(the value of `--config FILE` / `--config=FILE`, the other arguments)."""
+  parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+  parser.add_argument("--config", default=None)
+  known, rest = parser.parse_known_args(list(argv))
+  return known.config, rest
+
+
+def parse_args(defaults: T, argv: Sequence[str] | None = None, **tyro_kw: Any) -> T:
+  """A launcher's config: defaults <- `--config file.yaml` <- the other (dotted) CLI flags; tyro
+  also answers `--help`."""
+  yaml_path, rest = split_config_flag(sys.argv[1:] if argv is None else argv)
+  cfg = defaults
+  if yaml_path:
+    if not os.path.exists(yaml_path):
+      raise FileNotFoundError(f"--config: {yaml_path} does not exist")
+    cfg = apply_yaml(cfg, yaml_path, f"{yaml_path}: {type(cfg).__name__}")
+  return apply_cli(cfg, rest, **tyro_kw)
