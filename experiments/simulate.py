@@ -78,6 +78,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   v.add_argument("--measure-forwards", default=None, metavar="OUT",
                  help="time target forwards of the probe models on this machine (imports jax)")
   v.add_argument("--probe-models", default=None, help="comma-separated measure.PROBE_MODELS")
+  v.add_argument("--measure-engine", default=None, metavar="OUT",
+                 help="time specjax's engine arms on the first --probe-models model (imports "
+                      "jax); --engine-run sets measure.time_engine_arms' keywords")
+  v.add_argument("--engine-run", default='{"batch": 16, "prompt_len": 32, "max_new": 96, '
+                 '"eos_tokens": 4}', help="JSON keywords of measure.time_engine_arms")
   v.add_argument("--validate-cpu", action="store_true",
                  help="fit the CPU factors on some cases, report errors on held-out ones")
   v.add_argument("--forward-json", action="append", default=[])
@@ -237,6 +242,15 @@ def main(argv=None) -> int:
     out = measure.run_probes(names)
     out["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
     with open(a.measure_forwards, "w") as f:
+      json.dump(out, f, indent=1)
+    return 0
+  if a.measure_engine:
+    from specjax.sim import measure  # jax, only here
+    name = (a.probe_models or "d128-l4-v256").split(",")[0]
+    out = measure.time_engine_arms(measure.model_config(**measure.PROBE_MODELS[name]),
+                                   **json.loads(a.engine_run))
+    out["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
+    with open(a.measure_engine, "w") as f:
       json.dump(out, f, indent=1)
     return 0
   if a.validate_cpu:

@@ -138,6 +138,11 @@ HARDWARE: dict[str, HardwareSpec] = {h.name: h for h in (
                  net_bw=_gb(50), domain=8),
     HardwareSpec("gb200", flops=2500e12, hbm_bw=_tb(8.0), hbm_bytes=_gb(186),
                  nvlink_bw=_gb(1800), net_bw=_gb(50), domain=72),
+    # The 2-core x86_64 CPU specjax's own measurements ran on: nominal peaks the fitted
+    # fractions are relative to (2 cores x 2.5 GHz x 2 FMA x 8 fp32 lanes x 2 FLOPs; one DDR4
+    # channel); domain 1: no model parallelism.
+    HardwareSpec("cpu", flops=160e9, hbm_bw=_gb(20), hbm_bytes=_gb(16), nvlink_bw=_gb(1),
+                 net_bw=_gb(1), domain=1, link_latency_s=0.0),
 )}
 
 _QWEN_VOCAB = 151936

@@ -13,15 +13,12 @@ from typing import Sequence
 import numpy as np
 
 from specjax.sim import calibrate
-from specjax.sim.catalog import HardwareSpec, ModelSpec
+from specjax.sim.catalog import HardwareSpec, ModelSpec, get_hardware
 from specjax.sim.cost import Efficiency
 from specjax.sim.engine import EngineConfig, cumulative_rates, run_engine
 from specjax.sim.engine_cost import EngineCost
 
-# A 2-core x86_64 CPU: nominal peaks that the fitted fractions are relative to (2 cores x
-# 2.5 GHz x 2 FMA x 8 fp32 lanes x 2 FLOPs; one DDR4 channel). Domain 1: no model parallelism.
-CPU = HardwareSpec("cpu", flops=160e9, hbm_bw=20e9, hbm_bytes=16e9, nvlink_bw=1e9, net_bw=1e9,
-                   domain=1, link_latency_s=0.0)
+CPU = get_hardware("cpu")
 # Start values of a CPU fit: compute and memory traffic do not overlap (overlap_p = 1).
 CPU_START = Efficiency(bw=0.1, kv_bw=0.05, flops=0.2, attn_flops=0.02, step_overhead_s=2e-4,
                        draft_overhead_s=1e-4, layer_overhead_s=5e-5, logit_s=1e-9, overlap_p=1.0,
