@@ -52,9 +52,11 @@ def main() -> None:
       output_dir="/tmp/trl_grpo_out", per_device_train_batch_size=batch,
       num_generations=args.group_size, max_completion_length=args.max_new_tokens,
       steps_per_generation=1, num_iterations=1, max_steps=args.steps, learning_rate=1e-5,
-      max_grad_norm=1.0, beta=0.0, temperature=1.0, use_cpu=True, bf16=False, fp16=False,
+      max_grad_norm=1.0, beta=0.0, gradient_checkpointing=False, temperature=1.0, use_cpu=True, bf16=False, fp16=False,
       logging_steps=1, report_to=[], save_strategy="no", seed=0, shuffle_dataset=False,
       dataloader_num_workers=0)
+  # TRL turns on gradient checkpointing by default, which also disables the KV cache in
+  # generation; specjax keeps activations (ModelConfig.remat="none") and caches, so off here too
   trainer = GRPOTrainer(model=model, reward_funcs=exact_answer, args=cfg, train_dataset=data,
                         processing_class=tok)
 
@@ -80,6 +82,7 @@ def main() -> None:
   timed(trainer, "_prepare_inputs", "prepare_total")
   timed(trainer, "training_step", "step_total")
   steps = []
+  cpu_mark = [time.process_time()]
 
   class Recorder:  # one record per optimizer step
     def __getattr__(self, _):
@@ -88,6 +91,8 @@ def main() -> None:
     def on_step_end(self, *a, **kw):
       rec = dict(times)
       rec["train"] = rec.get("step_total", 0) - rec.get("prepare_total", 0)
+      rec["cpu"] = time.process_time() - cpu_mark[0]  # process CPU s (all threads) this step
+      cpu_mark[0] = time.process_time()
       steps.append(rec)
       times.clear()
 
@@ -98,15 +103,17 @@ def main() -> None:
   rows = steps[1:] or steps
   med = {ph: statistics.median(r.get(ph, 0.0) for r in rows) for ph in phases}
   step = statistics.median(r.get("step_total", 0.0) for r in rows)
+  cpu_step = statistics.median(r["cpu"] for r in rows)
   print(f"TRL GRPOTrainer {__import__('trl').__version__}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads; median of steps 2..{len(steps)}")
   for ph in phases:
     print(f"  {ph:<10}{med[ph]:>8.3f}")
   print(f"  {'step':<10}{step:>8.3f}   (logprob + train {med['logprob'] + med['train']:.3f} s)")
+  print(f"  {'cpu/step':<10}{cpu_step:>8.3f}   (process CPU seconds per step, all threads)")
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
   with open(args.json, "w") as f:
     json.dump({"system": "trl", "args": vars(args), "phases_median_s": med,
-               "step_median_s": step, "per_step": steps}, f, indent=1)
+               "step_median_s": step, "cpu_step_median_s": cpu_step, "per_step": steps}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,103 @@
+"""Peak memory of one RL train step (policy + online EAGLE-3 draft) and of the logprob pass against
+sequence length, dense ("before") and memory-linear ("after": blockwise attention, remat, chunked
+logits), V = 151936, hidden 256, one sequence. Peak = what XLA's compiled program needs: arguments
++ outputs - donated (aliased) buffers + temporaries (`compiled.memory_analysis()`); nothing runs.
+
+  python experiments/bench_memory.py --seq 1024 4096 8192
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from specjax.eagle.head import init_head
+from specjax.eagle.vocab import build_vocab_maps
+from specjax.models import Decoder, ModelConfig
+from specjax.rl.config import DraftConfig, GRPOConfig, RLConfig
+from specjax.rl import train_step
+from specjax.rl.train_step import TrainBatch, Trainer
+
+VARIANTS = {
+    "dense": {"attention_block": 0, "remat": "none", "logits_chunk": 0},
+    "chunked": {"attention_block": 512, "remat": "full", "logits_chunk": 512},
+}
+
+
+def model_config(vocab: int, variant: str) -> ModelConfig:
+  return ModelConfig(vocab_size=vocab, hidden_size=256, num_layers=4, num_heads=4, num_kv_heads=2,
+                     head_dim=64, mlp_hidden=768, **VARIANTS[variant])
+
+
+def peak_bytes(compiled) -> dict[str, int]:
+  m = compiled.memory_analysis()
+  peak = (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes)
+  return {"peak_bytes": int(peak), "argument_bytes": int(m.argument_size_in_bytes),
+          "output_bytes": int(m.output_size_in_bytes), "alias_bytes": int(m.alias_size_in_bytes),
+          "temp_bytes": int(m.temp_size_in_bytes)}
+
+
+def measure(variant: str, seq: int, vocab: int, draft_vocab: int, ttt_steps: int) -> list[dict]:
+  mcfg = model_config(vocab, variant)
+  cfg = RLConfig(model=mcfg, grpo=GRPOConfig(group_size=2),
+                 draft=DraftConfig(kind="eagle3", online=True, ttt_steps=ttt_steps))
+  policy = Decoder(mcfg, rngs=nnx.Rngs(0))
+  head = init_head(mcfg, draft_vocab=draft_vocab, seed=0)
+  maps = build_vocab_maps(np.arange(vocab)[::-1], vocab, draft_vocab)
+  graphdef, policy_params = nnx.split(policy)
+  head_graphdef, head_params = nnx.split(head)
+  trainer = Trainer(cfg, graphdef, head_graphdef)
+  state = trainer.init_state(policy_params, head_params, maps)
+  tokens = jnp.zeros((1, seq), jnp.int32)
+  zeros = jnp.zeros((1, seq), jnp.float32)
+  batch = TrainBatch(tokens=tokens, loss_mask=zeros.at[:, seq // 8:].set(1.0),
+                     advantages=jnp.ones((1,), jnp.float32), old_logprobs=zeros,
+                     ref_logprobs=zeros)
+  rows = []
+  for phase, lower in (
+      ("train", lambda: train_step._step_jit.lower(trainer, state, batch, jnp.float32(1.0))),
+      ("logprob", lambda: train_step._logprobs_jit.lower(
+          trainer, trainer.forward_params(state.params), tokens))):
+    t0 = time.perf_counter()
+    compiled = lower().compile()
+    rows.append({"variant": variant, "phase": phase, "seq_len": seq,
+                 "compile_s": time.perf_counter() - t0, **peak_bytes(compiled)})
+  return rows
+
+
+def main() -> None:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 8192])
+  p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+  p.add_argument("--vocab", type=int, default=151936)
+  p.add_argument("--draft-vocab", type=int, default=32000)
+  p.add_argument("--ttt-steps", type=int, default=3)
+  p.add_argument("--json", default="runs/bench_memory.json")
+  args = p.parse_args()
+  rows = []
+  print(f"{'variant':<8} {'phase':<8} {'seq':>6} {'peak GB':>8} {'temp GB':>8} {'args GB':>8} "
+        f"{'compile s':>9}")
+  for variant in args.variants:
+    for seq in args.seq:
+      for r in measure(variant, seq, args.vocab, args.draft_vocab, args.ttt_steps):
+        rows.append(r)
+        print(f"{r['variant']:<8} {r['phase']:<8} {seq:>6} {r['peak_bytes'] / 1e9:>8.3f} "
+              f"{r['temp_bytes'] / 1e9:>8.3f} {r['argument_bytes'] / 1e9:>8.3f} "
+              f"{r['compile_s']:>9.1f}", flush=True)
+  os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump({"jax": jax.__version__, "backend": jax.default_backend(), "vocab": args.vocab,
+               "draft_vocab": args.draft_vocab, "hidden": 256, "batch": 1,
+               "variants": VARIANTS, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
