@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.eagle.head import Eagle3Head, HeadConfig, init_head
-from specjax.eagle.ttt import ttt_loss
+from specjax.eagle.ttt import ttt_loss, ttt_loss_chunked
 from specjax.eagle.vocab import VocabMaps, draft_to_target_probs, identity_maps
 from specjax.models.cache import KVCache
 from specjax.models.layers import causal_mask
@@ -232,8 +232,18 @@ class Eagle3Method(DraftMethodBase):
 
 def _eagle3_online_loss(x: DraftLossInputs):
   sg = jax.lax.stop_gradient
-  return ttt_loss(x.draft_graphdef, x.params["draft"], sg(x.embed), sg(x.out.aux_hidden),
-                  sg(x.out.logits), x.tokens, x.mask, x.draft_aux, num_steps=x.ttt_steps)
+  if x.out.logits is not None:
+    return ttt_loss(x.draft_graphdef, x.params["draft"], sg(x.embed), sg(x.out.aux_hidden),
+                    sg(x.out.logits), x.tokens, x.mask, x.draft_aux, num_steps=x.ttt_steps)
+  # the policy ran without logits (ModelConfig.logits_chunk): the target distribution comes
+  # from its final hidden states and LM head, chunk by chunk
+  policy = nnx.merge(x.policy_graphdef, sg(x.params["policy"]))
+  cfg = policy.cfg
+  return ttt_loss_chunked(x.draft_graphdef, x.params["draft"], sg(x.embed), sg(x.out.aux_hidden),
+                          policy.final_norm(sg(x.out.hidden)), policy.head_weight(), x.tokens,
+                          x.mask, x.draft_aux, num_steps=x.ttt_steps,
+                          block=cfg.attention_block or cfg.logits_chunk,
+                          chunk=cfg.logits_chunk)
 
 
 register_method(Eagle3Method())

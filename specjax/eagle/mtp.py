@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.eagle.drafter import ChainDrafter
+from specjax.models import chunked
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Decoder
 from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase,
@@ -88,8 +89,19 @@ def mtp_loss(model: Decoder, hidden: jax.Array, tokens: jax.Array, loss_mask: ja
     # the embedding and LM head the module shares with the policy must not learn either
     graphdef, own, shared = nnx.split(model, nnx.PathContains("mtp"), ...)
     model = nnx.merge(graphdef, own, jax.lax.stop_gradient(shared))
-  out = model.mtp_forward(hidden[:, :-1], tokens[:, 1:])
-  loss, acc = masked_cross_entropy(out.logits[:, :-1], tokens[:, 2:], loss_mask[:, 2:])
+  chunk = model.cfg.logits_chunk
+  out = model.mtp_forward(hidden[:, :-1], tokens[:, 1:], compute_logits=not chunk)
+  if chunk:  # logits a chunk of positions at a time (ModelConfig.logits_chunk)
+    h = model.mtp.final_norm(out.hidden[:, :-1])
+    lp, _ = chunked.token_logprobs(h, model.head_weight(), tokens[:, 2:], chunk=chunk)
+    mask = loss_mask[:, 2:].astype(jnp.float32)
+    count = jnp.maximum(mask.sum(), 1.0)
+    hit = chunked.chunk_map(lambda hc, yc: jnp.argmax(chunked.head_logits(hc, model.head_weight()),
+                                                      -1) == yc, (h, tokens[:, 2:]),
+                            h.shape[1], chunk)
+    loss, acc = -jnp.sum(lp * mask) / count, jnp.sum(hit.astype(jnp.float32) * mask) / count
+  else:
+    loss, acc = masked_cross_entropy(out.logits[:, :-1], tokens[:, 2:], loss_mask[:, 2:])
   return loss, {"mtp_loss": loss, "mtp_acc": acc}
 
 

@@ -27,6 +27,8 @@ from flax import nnx
 
 from specjax.eagle.head import Eagle3Head
 from specjax.eagle.vocab import VocabMaps
+from specjax.models.attention import causal_attention_with_own_keys
+from specjax.models.chunked import soft_cross_entropy
 
 
 def ttt_attention_mask(seq: int, step: int, num_steps: int) -> np.ndarray:
@@ -107,3 +109,59 @@ def ttt_loss(head_graphdef: nnx.GraphDef, head_params: nnx.State, embed_table: j
   head = nnx.merge(head_graphdef, head_params)
   return ttt_loss_module(head, embed_table, aux_hidden, target_logits, tokens, loss_mask, maps,
                          num_steps=num_steps, step_decay=step_decay)
+
+
+# -- memory linear in T: blockwise attention, chunked soft cross-entropy --------------------------
+def _head_step(head: Eagle3Head, embed_table, hidden, tokens, positions, keys, block: int):
+  """One head step without a cache: the query attends to the step-0 keys causally (keys[0]) and
+  to its own chain's keys (keys[1:]) at the same position only; returns (h', (k, v))."""
+  dt = head.dtype
+  emb = jnp.take(jax.lax.stop_gradient(embed_table), tokens, axis=0).astype(dt)
+  hidden = hidden.astype(dt)
+  x = jnp.concatenate([head.embed_norm(emb), head.hidden_norm(hidden)], axis=-1)
+  q, k, v = head.attn.project(x, positions)
+  keys = keys + [(k, v)]
+  base_k, base_v = keys[0]
+  own = keys[1:]
+  attended = causal_attention_with_own_keys(q, base_k, base_v, [kv[0] for kv in own],
+                                            [kv[1] for kv in own], block=block)
+  h = hidden + head.attn.output(attended).astype(dt)
+  h = h + head.mlp(head.post_attn_norm(h)).astype(dt)
+  return h, keys
+
+
+def ttt_loss_chunked(head_graphdef: nnx.GraphDef, head_params: nnx.State, embed_table: jax.Array,
+                     aux_hidden: jax.Array, target_hidden: jax.Array, target_head: jax.Array,
+                     tokens: jax.Array, loss_mask: jax.Array, maps: VocabMaps, *,
+                     num_steps: int = 3, step_decay: float = 0.8, block: int = 512,
+                     chunk: int = 512) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """`ttt_loss` with memory linear in T: the target enters as its normalised final hidden states
+  [B, T, d] and LM head [d, V] (target logits = target_hidden @ target_head) instead of [B, T, V]
+  logits; attention is blockwise (`block`) and the logits of target and head exist `chunk`
+  positions at a time. Equal to `ttt_loss` on the same inputs."""
+  if num_steps < 1:
+    raise ValueError(f"ttt: num_steps must be >= 1, got {num_steps}")
+  head = nnx.merge(head_graphdef, head_params)
+  b, t = tokens.shape
+  target_hidden = jax.lax.stop_gradient(target_hidden)
+  completion = loss_mask.astype(jnp.float32)
+  h = head.fuse(jax.lax.stop_gradient(aux_hidden))
+  keys: list = []
+  total = jnp.zeros((), jnp.float32)
+  metrics = {}
+  for i in range(num_steps):
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + i, (b, t))
+    h, keys = _head_step(head, embed_table, h, _shift_left(tokens, 1 + i), positions, keys, block)
+    ce, agree, target_argmax = soft_cross_entropy(
+        head.final_norm(h), head.lm_head[...], _shift_left(target_hidden, 1 + i), target_head,
+        maps.d2t, chunk=chunk)
+    draftable = jnp.take(maps.t2d, target_argmax).astype(jnp.float32)
+    weight = _shift_left(completion, 2 + i) * draftable
+    count = jnp.maximum(weight.sum(), 1.0)
+    step_loss = jnp.sum(ce * weight) / count
+    total = total + (step_decay ** i) * step_loss
+    metrics[f"loss_{i}"] = step_loss
+    metrics[f"acc_{i}"] = jnp.sum(agree * weight) / count
+    metrics[f"positions_{i}"] = weight.sum()
+  metrics["loss"] = total
+  return total, metrics

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.rl.batch import build_train_batch, rollout_metrics
+from specjax.rl.batch import SEGMENT_LOG, build_train_batch, rollout_metrics
 from specjax.rl.checkpoint import Checkpointer
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
@@ -67,7 +67,9 @@ def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, dra
   state = trainer.init_state(init.policy, init.draft, init.draft_aux)
   task = task if task is not None else make_task(cfg.task, tokenizer)
   engine = RolloutEngine(cfg, graphdef, tokenizer, drafter, drafter_params)
-  ref = trainer.forward_params(state.params) if cfg.grpo.beta > 0 else None
+  # a copy: the train step donates (reuses) the buffers of the state it updates
+  ref = jax.tree.map(jnp.copy, trainer.forward_params(state.params)) if cfg.grpo.beta > 0 \
+      else None
   width = cfg.rollout.max_prompt_len or getattr(task, "max_prompt_len", 0)
   return RLRun(cfg, trainer, engine, task, tokenizer, ref, width, mesh), state
 
@@ -104,10 +106,11 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
     adv = group_advantages(rewards.rewards, g, cfg.grpo.adv_mode, cfg.grpo.adv_eps)
   with timer.phase("logprob") as p:
     tokens, mask, sampler_lp = sequence_arrays(rollout)
+    # one optimizer step on this batch: old logprobs == the policy's own, no separate pass
     batch, mismatch = p.sync(build_train_batch(run.trainer, state, run.ref_params, tokens, mask,
-                                               sampler_lp, adv))
+                                               sampler_lp, adv, on_policy=cfg.minibatches == 1))
   with timer.phase("train") as p:
-    state, train_metrics = run.trainer.train_on_batch(state, batch)
+    state, train_metrics = run.trainer.train_on_batch(state, batch, donate=True)
     p.sync((state, train_metrics))
   metrics = {
       **rollout_metrics(rollout, rewards, g, data_position + n_prompts, cut),
@@ -157,6 +160,8 @@ def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, er
   metrics, call the hooks. Returns this step's validation metrics ({} when none ran)."""
   for msg in errors[:MAX_ERRORS_LOGGED]:
     logger.log_event(completed, "reward_error", message=msg)
+  for segment in metrics.pop(SEGMENT_LOG, ()):  # each choice of the rollout engine
+    logger.log_event(completed, "engine_segment", **segment)
   if errors:
     warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
                   f"first: {errors[0]}")

@@ -16,6 +16,7 @@ import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.models import chunked
 from specjax.rl.config import GRPOConfig, OptimConfig, RLConfig
 from specjax.rl.grpo import denominators, grpo_loss, token_logprobs
 from specjax.sampling.methods import DraftLossInputs, DraftMethod
@@ -31,11 +32,15 @@ class TrainBatch:
   tokens: jax.Array  # int32[B, S] prompt + completion (+ pad)
   loss_mask: jax.Array  # float32[B, S]
   advantages: jax.Array  # float32[B]
-  old_logprobs: jax.Array  # float32[B, S]
+  # float32[B, S]; None: on-policy (one optimizer step on a batch the current policy sampled):
+  # the train step's own logprobs under stop_gradient, and no separate old-logprob forward
+  old_logprobs: jax.Array | None
   ref_logprobs: jax.Array  # float32[B, S] (zeros when beta == 0)
   # float32[B, S] constant weight of each token's policy-gradient term (async RL's truncated
   # importance sampling); None: unweighted, the same program as without the field
   pg_weights: jax.Array | None = None
+  # float32[B, S] the sampler's logprobs: with old_logprobs None the step reports the mismatch
+  sampler_logprobs: jax.Array | None = None
 
 
 @struct.dataclass
@@ -110,8 +115,23 @@ def sequence_logprobs(logits: jax.Array, tokens: jax.Array,
   """(logprob [B, S] of token j at position j, 0 at j = 0; entropy [B, S] of the same
   distribution) from logits [B, S, V] of a full-sequence forward."""
   lp, ent = token_logprobs(logits[:, :-1], tokens[:, 1:], temperature)
-  pad = jnp.zeros_like(lp[:, :1])
-  return jnp.concatenate([pad, lp], axis=1), jnp.concatenate([pad, ent], axis=1)
+  return _pad_first(lp), _pad_first(ent)
+
+
+def _pad_first(x: jax.Array) -> jax.Array:
+  return jnp.concatenate([jnp.zeros_like(x[:, :1]), x], axis=1)
+
+
+def policy_logprobs(model, out, tokens: jax.Array,
+                    temperature: float) -> tuple[jax.Array, jax.Array]:
+  """`sequence_logprobs` of a forward `out` of `model`; with ModelConfig.logits_chunk the logits
+  are formed from the hidden states a chunk of positions at a time (out.logits is None then)."""
+  if out.logits is not None:
+    return sequence_logprobs(out.logits, tokens, temperature)
+  h = model.final_norm(out.hidden)[:, :-1]
+  lp, ent = chunked.token_logprobs(h, model.head_weight(), tokens[:, 1:], temperature=temperature,
+                                   chunk=model.cfg.logits_chunk)
+  return _pad_first(lp), _pad_first(ent)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,27 +229,36 @@ class Trainer:
 
   def _forward(self, forward_params, tokens):
     model = nnx.merge(self.policy_graphdef, forward_params)
-    return model, model(tokens)
+    return model, model(tokens, compute_logits=not model.cfg.logits_chunk)
 
   def _logprobs(self, forward_params, tokens):
-    _, out = self._forward(forward_params, tokens)
-    return sequence_logprobs(out.logits, tokens, self.temperature)[0]
+    model, out = self._forward(forward_params, tokens)
+    return policy_logprobs(model, out, tokens, self.temperature)[0]
 
   def _loss(self, params, batch: TrainBatch, draft_aux, draft_weight, denom):
     c = self.step_cfg
     model, out = self._forward(self.forward_params(params), batch.tokens)
-    lp, entropy = sequence_logprobs(out.logits, batch.tokens, self.temperature)
+    lp, entropy = policy_logprobs(model, out, batch.tokens, self.temperature)
     mask = batch.loss_mask.astype(jnp.float32)
     ref = batch.ref_logprobs if c.grpo.beta > 0 else None
-    loss, metrics = grpo_loss(lp, batch.old_logprobs, batch.advantages, mask, c.grpo, ref,
+    # on-policy: old == current policy, so the forward of this step is also the old-logprob pass
+    old = jax.lax.stop_gradient(lp) if batch.old_logprobs is None else batch.old_logprobs
+    loss, metrics = grpo_loss(lp, old, batch.advantages, mask, c.grpo, ref,
                               denom, pg_weights=batch.pg_weights)
     metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask) / denom.tokens
+    if batch.sampler_logprobs is not None:
+      delta = jnp.abs(jax.lax.stop_gradient(lp) - batch.sampler_logprobs) * mask
+      metrics["mismatch/mean_abs"] = jnp.sum(delta) / denom.tokens
+      metrics["mismatch/max_abs"] = jnp.max(delta)
     if self.online:
       draft_loss, dm = self.method.online_loss(DraftLossInputs(
           params=params, embed=model.embed[...], out=out, tokens=batch.tokens, mask=mask,
           draft_aux=draft_aux, policy_graphdef=self.policy_graphdef,
           draft_graphdef=self.draft_graphdef, ttt_steps=c.ttt_steps))
-      loss = loss + draft_weight * draft_loss
+      # the online losses are means over their (micro-)batch: weight each by its share of the
+      # batch's completion tokens, so micro-batches sum to the full-batch mean
+      share = mask.sum() / denom.tokens if self._micro > 1 else 1.0
+      loss = loss + draft_weight * share * draft_loss
       metrics.update({f"draft/{k}": v / self._micro for k, v in dm.items()})
     return loss, metrics
 
@@ -248,7 +277,8 @@ class Trainer:
 
     def body(acc, mb):
       g, met = grad_fn(state.params, mb, state.draft_aux, draft_weight, denom)
-      return jax.tree.map(jnp.add, acc, (g, met)), None
+      grads = jax.tree.map(jnp.add, acc[0], g)
+      return (grads, {k: _accumulate(k, acc[1][k], v) for k, v in met.items()}), None
 
     zeros_g = jax.tree.map(jnp.zeros_like, state.params)
     shapes = jax.eval_shape(lambda: grad_fn(state.params, jax.tree.map(lambda x: x[0], micro),
@@ -279,22 +309,30 @@ class Trainer:
     return new, metrics
 
   # -- public entry points -----------------------------------------------------------------
-  def step(self, state: TrainState, batch: TrainBatch,
-           draft_weight: float | None = None) -> tuple[TrainState, dict]:
-    """One optimizer step; `draft_weight` (lambda) defaults to DraftConfig.loss_weight."""
+  def step(self, state: TrainState, batch: TrainBatch, draft_weight: float | None = None, *,
+           donate: bool = False) -> tuple[TrainState, dict]:
+    """One optimizer step; `draft_weight` (lambda) defaults to DraftConfig.loss_weight. With
+    `donate` the step reuses the buffers of `state` for the new state (params and optimizer
+    state are not held twice); `state` is invalid afterwards."""
     w = self.step_cfg.draft_loss_weight if draft_weight is None else draft_weight
-    return _step_jit(self, state, self.place_batch(batch), jnp.float32(w))
+    fn = _step_jit_donated if donate else _step_jit
+    return fn(self, state, self.place_batch(batch), jnp.float32(w))
 
-  def train_on_batch(self, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
+  def train_on_batch(self, state: TrainState, batch: TrainBatch, *,
+                     donate: bool = False) -> tuple[TrainState, dict]:
     """RLConfig.minibatches optimizer steps on consecutive slices of a rollout batch, all against
     the same old logprobs (later slices see ratios != 1, so clipping matters); mean metrics."""
     n = self.step_cfg.minibatches
     if n == 1:
-      return self.step(state, batch)
+      return self.step(state, batch, donate=donate)
+    if batch.old_logprobs is None:
+      raise ValueError("train_on_batch: minibatches > 1 needs old_logprobs (later minibatches "
+                       "are off-policy)")
     rows = batch.tokens.shape[0] // n
     history = []
     for i in range(n):
-      state, m = self.step(state, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch))
+      state, m = self.step(state, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch),
+                           donate=donate)
       history.append(m)
     return state, jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
 
@@ -312,6 +350,13 @@ class Trainer:
 
 
 _step_jit = jax.jit(lambda t, *args: t._train_step(*args), static_argnums=0)
+_step_jit_donated = jax.jit(lambda t, *args: t._train_step(*args), static_argnums=0,
+                            donate_argnums=1)
+
+
+def _accumulate(name: str, acc: jax.Array, value: jax.Array) -> jax.Array:
+  """Micro-batch metrics add up (they are scaled like the loss), maxima take the max."""
+  return jnp.maximum(acc, value) if name.endswith("max_abs") else acc + value
 _grads_jit = jax.jit(lambda t, *args: t._grads(*args), static_argnums=0)
 _logprobs_jit = jax.jit(lambda t, *args: t._logprobs(*args), static_argnums=0)
 
