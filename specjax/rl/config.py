@@ -12,11 +12,10 @@ from typing import Sequence
 import specjax.eagle  # noqa: F401  (registers the eagle3 and mtp draft methods)
 from specjax.config_tree import check as _check, load, one_of as _one_of
 from specjax.models.config import ModelConfig
-from specjax.rl.grpo import ADVANTAGES
+from specjax.rl.grpo import ADVANTAGES, LOSS_AGGS
 from specjax.sampling.methods import DraftMethod, get_method, method_names
 from specjax.sharding.mesh import MeshConfig
 
-LOSS_AGGS = ("token-mean", "seq-mean-token-mean")
 SCHEDULES = ("constant", "cosine", "linear")
 
 

@@ -72,15 +72,24 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
   return ADVANTAGES[mode].fn(centered, group_size, eps).reshape(-1)
 
 
+# token-mean: over all completion tokens; seq-mean-token-mean: per sequence over its own length,
+# then over sequences; seq-mean-token-sum-norm (Dr.GRPO): per-sequence sums over a constant length
+LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
 @struct.dataclass
 class LossDenominators:
   tokens: jax.Array  # float32 scalar: completion tokens in the full batch
   seqs: jax.Array  # float32 scalar: sequences in the full batch
+  # float32 scalar: Dr.GRPO's constant length (the largest completion, e.g. max_new_tokens)
+  norm_len: jax.Array | None = None
 
 
-def denominators(mask: jax.Array) -> LossDenominators:
+def denominators(mask: jax.Array, norm_len: int | None = None) -> LossDenominators:
+  """Full-batch denominators of `mask` [B, T]; `norm_len` None -> T (the padded width)."""
   return LossDenominators(tokens=jnp.maximum(mask.sum(), 1.0).astype(jnp.float32),
-                          seqs=jnp.asarray(mask.shape[0], jnp.float32))
+                          seqs=jnp.asarray(mask.shape[0], jnp.float32),
+                          norm_len=jnp.asarray(norm_len or mask.shape[1], jnp.float32))
 
 
 def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
@@ -97,7 +106,10 @@ def aggregate(per_token: jax.Array, mask: jax.Array, agg: str,
   if agg == "seq-mean-token-mean":
     per_seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
     return jnp.sum(per_seq) / denom.seqs
-  raise ValueError(f"aggregate: loss_agg must be token-mean or seq-mean-token-mean, got {agg!r}")
+  if agg == "seq-mean-token-sum-norm":  # Dr.GRPO: one constant length for every sequence
+    norm_len = per_token.shape[1] if denom.norm_len is None else denom.norm_len
+    return jnp.sum(per_token * mask) / (denom.seqs * norm_len)
+  raise ValueError(f"aggregate: loss_agg must be one of {LOSS_AGGS}, got {agg!r}")
 
 
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,

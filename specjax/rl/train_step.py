@@ -151,6 +151,7 @@ class TrainStepConfig:
   # that the method has one)
   draft_loss_weight: float  # default lambda
   ttt_steps: int  # EAGLE-3 TTT unroll of the online loss
+  loss_norm_len: int  # Dr.GRPO's constant length (loss_agg seq-mean-token-sum-norm)
 
   @classmethod
   def from_rl(cls, cfg: RLConfig) -> "TrainStepConfig":
@@ -160,7 +161,8 @@ class TrainStepConfig:
                micro_batches=cfg.micro_batches,
                temperature=r.temperature if r.train_temperature and r.temperature > 0 else 1.0,
                draft_method=d.method, draft_online=d.online,
-               draft_loss_weight=d.loss_weight, ttt_steps=d.ttt_steps)
+               draft_loss_weight=d.loss_weight, ttt_steps=d.ttt_steps,
+               loss_norm_len=r.max_new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +270,7 @@ class Trainer:
 
   def _grads(self, state: TrainState, batch: TrainBatch, draft_weight):
     """(grads, metrics) summed over `micro_batches` micro-batches (lax.scan)."""
-    denom = denominators(batch.loss_mask.astype(jnp.float32))
+    denom = denominators(batch.loss_mask.astype(jnp.float32), self.step_cfg.loss_norm_len)
     grad_fn = jax.grad(self._loss, has_aux=True)
     m = self._micro
     if m == 1:
