@@ -246,7 +246,8 @@ def main(argv=None) -> dict:
     p_train, l_train = make_prompts(a, rng, 32)
     result = train_draft_head(target, p_train, l_train, sampling=cfg, progress=False,
                               config=DraftTrainConfig(steps=a.eagle_steps, batch_size=16,
-                                                      draft_vocab=a.draft_vocab, seed=a.seed,
+                                                      draft_vocab=min(a.draft_vocab, a.vocab),
+                                                      seed=a.seed,
                                                       warmup_steps=10, rollout_batch=64))
     train_s = time.perf_counter() - t0
     embed = nnx.split(target)[1]["embed"][...]

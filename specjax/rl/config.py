@@ -76,7 +76,9 @@ class OptimConfig:
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
   kind: str = "none"
-  draft_len: int = 3  # K, tokens proposed per speculative step
+  draft_len: int = 3  # K, tokens proposed per speculative step (adaptive: the largest K)
+  adaptive: bool = True  # the engine picks K in 0..max_draft_len per live-batch bucket
+  max_draft_len: int = 0  # adaptive: largest K; 0 -> draft_len
   online: bool = False  # train the draft inside the RL train step (eagle3, mtp)
   loss_weight: float = 1.0  # lambda in  loss = GRPO + lambda * draft loss
   ttt_steps: int = 3  # EAGLE-3 training-time-test unroll
@@ -88,6 +90,8 @@ class DraftConfig:
     w = "DraftConfig"
     _one_of(self.kind, method_names(), f"{w}.kind")
     _check(self.draft_len >= 1, f"{w}.draft_len", f"must be >= 1, got {self.draft_len}")
+    _check(self.max_draft_len >= 0, f"{w}.max_draft_len",
+           f"must be >= 0 (0: draft_len), got {self.max_draft_len}")
     _check(self.loss_weight >= 0, f"{w}.loss_weight", f"must be >= 0, got {self.loss_weight}")
     _check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
     _check(1 <= self.ngram_min <= self.ngram_max, f"{w}.ngram_min",
@@ -116,6 +120,12 @@ class RolloutConfig:
   max_prompt_len: int = 0
   gen_dtype: str = ""  # "" -> the policy's own dtype (colocated: the very same arrays)
   train_temperature: bool = True  # trainer logprobs use logits / temperature, like the sampler
+  # the rollout engine: gather live rows into power-of-two buckets as rows finish; optionally
+  # attend over the live prefix only (window_block * 2^j positions; 0 reads the whole cache;
+  # every window is one more compiled program per bucket and K)
+  compaction: bool = True
+  min_bucket: int = 1
+  window_block: int = 0
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -125,6 +135,8 @@ class RolloutConfig:
     _check(self.max_new_tokens >= 1, f"{w}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
     _check(self.max_prompt_len >= 0, f"{w}.max_prompt_len", f"must be >= 0, got {self.max_prompt_len}")
     _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
+    _check(self.min_bucket >= 1, f"{w}.min_bucket", f"must be >= 1, got {self.min_bucket}")
+    _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from specjax.models.config import DTYPES
 from specjax.rl.config import RLConfig
 from specjax.sampling import (AcceptanceMetrics, Drafter, GroupNgramDrafter, Rollout,
                               SamplingConfig, generate, speculative_generate)
+from specjax.sampling.engine import EngineConfig
 
 
 def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
@@ -25,6 +26,14 @@ def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingC
   return SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=0.0 if greedy else r.temperature,
                         top_k=r.top_k or None, top_p=r.top_p if r.top_p < 1.0 else None,
                         eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
+
+
+def engine_config(cfg: RLConfig) -> EngineConfig:
+  """The rollout engine's settings from the run's config (compaction, window, adaptive K)."""
+  r, d = cfg.rollout, cfg.draft
+  return EngineConfig(compaction=r.compaction, min_bucket=r.min_bucket,
+                      window_block=r.window_block, adaptive=d.adaptive,
+                      max_draft_len=(d.max_draft_len or d.draft_len) if d.adaptive else 0)
 
 
 def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None) -> tuple[Drafter | None, Any]:
@@ -69,14 +78,16 @@ class RolloutEngine:
   def generate(self, policy, drafter_params, prompts: jax.Array, prompt_lengths: jax.Array,
                key: jax.Array, greedy: bool = False, group_size: int | None = None) -> Rollout:
     scfg = sampling_config(self.cfg, self.tokenizer, greedy)
+    engine = engine_config(self.cfg)
     if self.drafter is None:
-      return generate((self.policy_graphdef, policy), prompts, prompt_lengths, key, scfg)
+      return generate((self.policy_graphdef, policy), prompts, prompt_lengths, key, scfg,
+                      engine=engine)
     drafter = self.drafter
     if isinstance(drafter, GroupNgramDrafter) and group_size is not None and \
         group_size != drafter.group_size:
       drafter = dataclasses.replace(drafter, group_size=group_size)
     return speculative_generate((self.policy_graphdef, policy), drafter, drafter_params, prompts,
-                                prompt_lengths, key, scfg)
+                                prompt_lengths, key, scfg, engine=engine)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int,
@@ -106,6 +117,32 @@ def sequence_arrays(rollout: Rollout) -> tuple[jax.Array, jax.Array, jax.Array]:
   idx = jnp.clip(j - start, 0, rollout.logprobs.shape[1] - 1)
   lp = jnp.where(mask, jnp.take_along_axis(rollout.logprobs, idx, axis=1), 0.0)
   return tokens, mask.astype(jnp.float32), lp
+
+
+def engine_summary(rollout: Rollout) -> dict[str, float]:
+  """What the engine did in a rollout: segments, forward steps per K, the mean K over steps, and
+  the steps spent per bucket ({} for a rollout without segments)."""
+  segs = rollout.segments
+  if not segs:
+    return {}
+  steps = sum(s.iterations for s in segs)
+  out = {"engine/segments": len(segs),
+         "engine/mean_draft_len": sum(s.draft_len * s.iterations for s in segs) / max(steps, 1),
+         "engine/min_bucket": min(s.bucket for s in segs)}
+  for s in segs:
+    out[f"engine/steps_b{s.bucket}_k{s.draft_len}"] = \
+        out.get(f"engine/steps_b{s.bucket}_k{s.draft_len}", 0) + s.iterations
+  return out
+
+
+def segment_events(rollout: Rollout) -> list[dict]:
+  """One record per segment: (bucket, K, window, steps, live rows, expected vs measured
+  tokens/s) — each choice of the adaptive engine, for the run's event log."""
+  return [{"bucket": s.bucket, "draft_len": s.draft_len, "window": s.window,
+           "iterations": s.iterations, "live_rows": s.live_rows_start, "tokens": s.tokens,
+           "seconds": round(s.seconds, 6), "tokens_per_s": round(s.tokens_per_s, 1),
+           "expected_tokens_per_s": None if s.expected_tokens_per_s != s.expected_tokens_per_s
+           else round(s.expected_tokens_per_s, 1)} for s in rollout.segments]
 
 
 def acceptance_summary(rollout: Rollout) -> dict[str, float]:

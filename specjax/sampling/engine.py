@@ -35,11 +35,15 @@ class EngineConfig:
   compaction: bool = True  # gather live rows into the next bucket when they fit
   min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
   max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
-  window_block: int = 128  # attention reads positions < block * 2^j >= longest live row; 0: all
+  # attention reads positions < block * 2^j >= the longest live row (0: the whole cache); each
+  # window is one more compiled program per (bucket, K), so it is off unless asked for
+  window_block: int = 0
   adaptive: bool = True  # choose K per bucket (else the drafter's draft_len throughout)
   max_draft_len: int = 0  # largest K adaptivity may pick; 0: the drafter's draft_len
-  first_segment_iters: int = 4  # adaptive: steps before the first re-decision in a bucket ...
+  probe_iters: int = 4  # adaptive, before any draft was seen: steps of the first (probing) segment
+  first_segment_iters: int = 32  # adaptive: steps before a bucket's first re-decision ...
   max_segment_iters: int = 256  # ... doubling per segment up to this
+  estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
   calibration_iters: int = 3  # timed steps per (bucket, K) in the startup calibration
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
@@ -53,8 +57,11 @@ class EngineConfig:
     check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
     check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
     check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
+    check(self.probe_iters >= 1, "probe_iters", f"must be >= 1, got {self.probe_iters}")
     check(self.first_segment_iters >= 1, "first_segment_iters",
           f"must be >= 1, got {self.first_segment_iters}")
+    check(0 <= self.estimate_decay <= 1, "estimate_decay",
+          f"must be in [0, 1], got {self.estimate_decay}")
     check(self.max_segment_iters >= self.first_segment_iters, "max_segment_iters",
           f"must be >= first_segment_iters={self.first_segment_iters}, "
           f"got {self.max_segment_iters}")
@@ -144,6 +151,16 @@ class AcceptanceEstimate:
     self.hits = np.zeros(max_len)
     self.prior, self.weight = prior, weight
 
+  def decay(self, factor: float) -> None:
+    """Weigh earlier counts by `factor` (recent steps matter more; old evidence fades toward the
+    prior, so a drafter that failed once is tried again later)."""
+    self.offered *= factor
+    self.hits *= factor
+
+  @property
+  def seen(self) -> bool:
+    return bool(self.offered[0] > 0)
+
   def add(self, draft_len: int, drafts: float, accepted_per_position: np.ndarray) -> None:
     """One segment's counts: `drafts` drafts of length `draft_len`; accepted_per_position[i] of
     them had their first i + 1 tokens accepted."""
@@ -206,6 +223,8 @@ def compiled_programs() -> int:
 # (graphdef, drafter, cfg, cache_size, mesh, bucket, K) -> seconds per step, measured once per
 # process (a run's startup calibration, reused by every later rollout of the run)
 _STEP_COSTS: dict[tuple, float] = {}
+# (drafter, cfg) -> running acceptance of that drafter at that sampling config, across rollouts
+_ESTIMATES: dict[tuple, AcceptanceEstimate] = {}
 
 
 def calibration_table() -> list[dict]:
@@ -214,7 +233,9 @@ def calibration_table() -> list[dict]:
 
 
 def clear_calibration() -> None:
+  """Forget measured step costs and acceptance estimates (e.g. between benchmark settings)."""
   _STEP_COSTS.clear()
+  _ESTIMATES.clear()
 
 
 class _Run:
@@ -233,8 +254,13 @@ class _Run:
     else:
       self.k_max = drafter.draft_len
       self.k_choices = (drafter.draft_len,)
-    self.estimate = AcceptanceEstimate(max(self.k_max, 1), engine.prior_acceptance,
-                                       engine.prior_weight)
+    key = (None if drafter is None else dataclasses.replace(drafter, draft_len=max(self.k_max, 1)),
+           cfg, graphdef)
+    if key not in _ESTIMATES:
+      _ESTIMATES[key] = AcceptanceEstimate(max(self.k_max, 1), engine.prior_acceptance,
+                                           engine.prior_weight)
+    self.estimate = _ESTIMATES[key]
+    self.estimate.decay(engine.estimate_decay)
     self.segments: list[Segment] = []
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
@@ -261,21 +287,22 @@ class _Run:
     return _STEP_COSTS[key]
 
   def cost(self, state, bucket: int, k: int, longest: int) -> float:
-    """Seconds per step at (bucket, K): measured for K in {0, 1, K_max}, linear in K between 1
-    and K_max (K more drafter steps, K more target positions)."""
-    measure = lambda j: self.step_cost(
-        state, bucket, j, window_for(longest, j, self.engine.window_block, self.cache_size))
-    if k <= 1 or k == self.k_max:
-      return measure(k)
-    lo, hi = measure(1), measure(self.k_max)
-    return lo + (hi - lo) * (k - 1) / (self.k_max - 1)
+    """Seconds per step at (bucket, K), measured (every K the engine may pick is calibrated, so
+    its program is compiled with the calibration, not later in the run)."""
+    return self.step_cost(state, bucket, k,
+                          window_for(longest, k, self.engine.window_block, self.cache_size))
 
   def choose_k(self, state, bucket: int, live: int, longest: int) -> tuple[int, float]:
     """(K, expected tokens/s) maximising live * E[tokens | K] / cost(bucket, K)."""
     if len(self.k_choices) == 1:
       return self.k_choices[0], float("nan")
-    # until a draft has been seen, acceptance is a guess: draft once so the estimate can learn
-    choices = self.k_choices[1:] if self.estimate.offered[0] == 0 else self.k_choices
+    if not self.estimate.seen:  # acceptance is a guess: draft once so the estimate can learn
+      choices = self.k_choices[1:]
+    else:  # a K whose expected tokens cannot beat AR by min_gain is not even measured
+      bar = 1.0 + self.engine.min_gain
+      choices = [k for k in self.k_choices if k == 0 or self.estimate.expected_tokens(k) > bar]
+    if len(choices) == 1:
+      return choices[0], float("nan")
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
                           {k: self.cost(state, bucket, k, longest) for k in choices}, live,
                           self.engine.min_gain)
@@ -314,8 +341,12 @@ class _Run:
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
-      max_iters = min(self.engine.first_segment_iters << j, self.engine.max_segment_iters) \
-          if self.engine.adaptive and len(self.k_choices) > 1 else NO_LIMIT
+      if not (self.engine.adaptive and len(self.k_choices) > 1):
+        max_iters = NO_LIMIT
+      elif k > 0 and not self.estimate.seen:
+        max_iters = self.engine.probe_iters
+      else:
+        max_iters = min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
       smaller = [b for b in buckets if b < bucket]
       stop_at_live = smaller[0] if compact and smaller else 0
       t0 = time.perf_counter()

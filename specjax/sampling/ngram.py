@@ -94,6 +94,10 @@ class NgramDrafter(Drafter):
   def group(self) -> int:
     return 1
 
+  @property
+  def stateful(self) -> bool:
+    return False  # reads the committed tokens only
+
   def propose(self, params, state, seq: Sequences, key: jax.Array):
     return lookup(seq, self.draft_len, self.n, self.min_n, self.group), None, state
 
@@ -113,6 +117,11 @@ class GroupNgramDrafter(NgramDrafter):
   @property
   def group(self) -> int:
     return self.group_size
+
+  @property
+  def row_local(self) -> bool:
+    return False  # reads the sibling rows b' // G == b // G: rows stay where they are
+
 
 @dataclasses.dataclass(frozen=True)
 class NgramMethod(DraftMethodBase):

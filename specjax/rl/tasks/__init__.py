@@ -84,6 +84,11 @@ def _arithmetic(cfg, tok):
   return ArithmeticTask(cfg, tok)
 
 
+def _chain(cfg, tok):
+  from specjax.rl.tasks.chain import ChainTask
+  return ChainTask(cfg, tok)
+
+
 def _math(fmt):
   def build(cfg, tok):
     from specjax.rl.tasks.math_data import MathDatasetTask
@@ -98,6 +103,7 @@ def _reasoning_gym(cfg, tok):
 
 TASKS: dict[str, Callable[[TaskConfig, Any], Task]] = {
     "arithmetic": _arithmetic,
+    "chain": _chain,
     "math": _math(None),
     "gsm8k": _math("gsm8k"),
     "dapo": _math("dapo"),
