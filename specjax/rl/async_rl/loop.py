@@ -163,7 +163,9 @@ def async_step(run: RLRun, async_cfg: AsyncConfig, state: TrainState, step: int,
   with timer.phase("logprob") as p:
     batch, extra = p.sync(train_batch(run, async_cfg, state, scored))
   with timer.phase("train") as p:
-    state, train_metrics = p.sync(run.trainer.step(state, batch))
+    # RLConfig.minibatches optimizer steps, as in the sync loop (the schedules span them all);
+    # no donation: the weight push may alias the state's buffers
+    state, train_metrics = p.sync(run.trainer.train_on_batch(state, batch))
   if step + 1 < run.cfg.steps:
     with timer.phase("weight_sync") as p:
       gen_params = p.sync(push(state))
