@@ -197,7 +197,13 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   (time/train) and pushes the new version (time/weight_sync); time/step is the effective step
   time; time/data, time/gen, time/reward are the worker's, off the critical path; async/* holds the
   batch index, its params version and the version gap. The summary adds the means of these, the
-  version-gap counts and the batch accounting (produced, consumed, discarded)."""
+  version-gap counts and the batch accounting (produced, consumed, discarded).
+
+  Resume is not bitwise exact: a checkpoint holds the train state, data position and RNG key but
+  not the queue, so the batches that were queued or in flight are regenerated, with the same
+  prompts and keys, from the restored (newest) parameters: the first batch after a resume has
+  version gap 0 where an uninterrupted run would have had up to `policy_lag`
+  (tests/test_async_resume.py)."""
   os.makedirs(out_dir, exist_ok=True)
   run, state, engine, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
                                              draft_maps=draft_maps, devices=devices)
