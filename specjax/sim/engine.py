@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specjax.sim.workload import rate_for_acceptance
+
 ARMS = ("ar_static", "ar_compact", "spec_static", "spec_compact", "spec_adaptive")
 _NORMAL = NormalDist()
 
@@ -105,7 +107,6 @@ def cumulative_rates(acceptance_length: float, max_draft_len: int, at: int | Non
   """Cumulative per-position rates for max_draft_len drafts whose acceptance length at `at`
   drafts (default max_draft_len) is `acceptance_length`: conditional rate at position i is
   first * decay**(i-1) (specjax.sim.workload's model)."""
-  from specjax.sim.workload import rate_for_acceptance
   at = at or max_draft_len
   if at == 0 or max_draft_len == 0:
     return [0.0] * max_draft_len

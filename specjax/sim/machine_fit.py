@@ -343,14 +343,6 @@ def efficiency_dict(eff: Efficiency) -> dict:
   return dataclasses.asdict(eff)
 
 
-def efficiency_from_dict(d: dict) -> Efficiency:
-  known = {f.name for f in dataclasses.fields(Efficiency)}
-  bad = set(d) - known
-  if bad:
-    raise ValueError(f"efficiency: unknown fields {sorted(bad)}")
-  return Efficiency(**d)
-
-
 def run_scale(steps: Sequence[StepCase], eff: Efficiency, hw: HardwareSpec = CPU) -> float:
   """Load factor of one run: geometric mean of measured / predicted over its own startup
   calibration steps (on a shared machine the same program runs slower when others load it)."""

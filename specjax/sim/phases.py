@@ -14,6 +14,8 @@ import numpy as np
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
+from specjax.sim.engine import EngineConfig, cumulative_rates, run_engine
+from specjax.sim.engine_cost import EngineCost
 from specjax.sim.workload import Workload
 
 DRAFTERS = ("none", "eagle3", "draft-model", "mtp", "ngram")
@@ -143,8 +145,6 @@ def generation_specjax(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus
   allocates a static cache of prompt + max length + K + 1 per row, so it runs its rows in
   waves of at most that many; each wave starts in one bucket and compacts into smaller ones
   as rows finish (adaptive K per bucket if `adaptive`). Waves run one after another."""
-  from specjax.sim.engine import EngineConfig, cumulative_rates, run_engine
-  from specjax.sim.engine_cost import EngineCost
   speculative = drafter != "none" and (draft_len > 0 or adaptive)
   replicas = gpus // mp
   rows = rows_per_replica or math.ceil(workload.rollouts / replicas)
