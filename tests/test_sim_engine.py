@@ -134,9 +134,11 @@ def test_fit_on_bench_engine_calibration_predicts_its_arms(tmp_path):
   assert len(steps) == 9 and {c.name.split()[-1] for c in arms} == {
       "ar_static", "ar_compact", "spec_adaptive"}
   out = machine_fit.validate(steps, arms, start=CPU_EFF,
-                             fields=("bw", "kv_bw", "flops", "step_overhead_s"))
+                             fields=("bw", "kv_bw", "flops", "step_overhead_s"),
+                             run_steps={"d128": steps})
   assert out["fit"]["max_abs_error"] < 0.02
   assert out["held_out"]["max_abs_error"] < 0.05
+  assert out["held_out_rollouts_load_scaled"]["max_abs_error"] < 0.05
 
 
 def test_bench_engine_json_missing_field_is_named(tmp_path):
