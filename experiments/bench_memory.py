@@ -21,13 +21,13 @@ from flax import nnx
 from specjax.eagle.head import init_head
 from specjax.eagle.vocab import build_vocab_maps
 from specjax.models import Decoder, ModelConfig
-from specjax.rl.config import DraftConfig, GRPOConfig, RLConfig
 from specjax.rl import train_step
+from specjax.rl.config import DraftConfig, GRPOConfig, RLConfig
 from specjax.rl.train_step import TrainBatch, Trainer
 
 VARIANTS = {
     "dense": {"attention_block": 0, "remat": "none", "logits_chunk": 0},
-    "chunked": {"attention_block": 512, "remat": "full", "logits_chunk": 512},
+    "chunked": {"attention_block": 512, "remat": "full", "logits_chunk": 128},
 }
 
 
@@ -61,9 +61,14 @@ def measure(variant: str, seq: int, vocab: int, draft_vocab: int, ttt_steps: int
   batch = TrainBatch(tokens=tokens, loss_mask=zeros.at[:, seq // 8:].set(1.0),
                      advantages=jnp.ones((1,), jnp.float32), old_logprobs=zeros,
                      ref_logprobs=zeros)
+  # after: the loop's donated step (new state written over the old); on-policy batch (the loop's
+  # default with one optimizer step per batch)
+  step_fn = train_step._step_jit_donated if variant == "chunked" else train_step._step_jit
+  if variant == "chunked":
+    batch = batch.replace(old_logprobs=None, sampler_logprobs=zeros)
   rows = []
   for phase, lower in (
-      ("train", lambda: train_step._step_jit.lower(trainer, state, batch, jnp.float32(1.0))),
+      ("train", lambda: step_fn.lower(trainer, state, batch, jnp.float32(1.0))),
       ("logprob", lambda: train_step._logprobs_jit.lower(
           trainer, trainer.forward_params(state.params), tokens))):
     t0 = time.perf_counter()

@@ -76,12 +76,19 @@ def test_chunked_ttt_loss_equals_ttt_loss_with_gradients(setup):
     return ttt_loss_chunked(setup["hg"], hp, embed, out.aux_hidden, h, w, tokens, mask,
                             setup["maps"], num_steps=3, block=4, chunk=5)
 
+  remat_hg = nnx.graphdef(init_head(CHUNKED, draft_vocab=48, seed=1))  # head steps rematerialised
+
+  def linear_remat(hp):
+    return ttt_loss_chunked(remat_hg, hp, embed, out.aux_hidden, h, w, tokens, mask,
+                            setup["maps"], num_steps=3, block=4, chunk=5)
+
   (l1, m1), g1 = jax.value_and_grad(dense, has_aux=True)(setup["hp"])
-  (l2, m2), g2 = jax.jit(jax.value_and_grad(linear, has_aux=True))(setup["hp"])
-  np.testing.assert_allclose(l2, l1, rtol=1e-5)
-  for k in m1:
-    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-6)
-  _close(g2, g1, 1e-5)
+  for fn in (linear, linear_remat):
+    (l2, m2), g2 = jax.jit(jax.value_and_grad(fn, has_aux=True))(setup["hp"])
+    np.testing.assert_allclose(l2, l1, rtol=1e-5)
+    for k in m1:
+      np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, atol=1e-6)
+    _close(g2, g1, 1e-5)
 
 
 def test_on_policy_batch_skips_old_logprobs_with_the_same_gradients(setup):

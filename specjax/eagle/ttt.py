@@ -149,9 +149,12 @@ def ttt_loss_chunked(head_graphdef: nnx.GraphDef, head_params: nnx.State, embed_
   keys: list = []
   total = jnp.zeros((), jnp.float32)
   metrics = {}
+  step = lambda m, *args: _head_step(m, *args, block)
+  if head.cfg.target.remat != "none":  # keep each step's inputs only, like the policy's layers
+    step = nnx.remat(step)
   for i in range(num_steps):
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32) + i, (b, t))
-    h, keys = _head_step(head, embed_table, h, _shift_left(tokens, 1 + i), positions, keys, block)
+    h, keys = step(head, embed_table, h, _shift_left(tokens, 1 + i), positions, keys)
     ce, agree, target_argmax = soft_cross_entropy(
         head.final_norm(h), head.lm_head[...], _shift_left(target_hidden, 1 + i), target_head,
         maps.d2t, chunk=chunk)
