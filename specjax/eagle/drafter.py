@@ -8,19 +8,23 @@ token t + 1) pairs into its own KV cache; it then drafts K tokens by feeding bac
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
+from specjax.eagle.checkpoint import (eagle3_aux_layers, is_eagle3_hf_dir, load_draft_head,
+                                     save_eagle3_hf)
 from specjax.eagle.head import Eagle3Head, HeadConfig, init_head
 from specjax.eagle.ttt import ttt_loss, ttt_loss_chunked
 from specjax.eagle.vocab import VocabMaps, draft_to_target_probs, identity_maps
 from specjax.models.cache import KVCache
+from specjax.models.hf import config_from_hf
 from specjax.models.layers import causal_mask
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
-from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase,
+from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
                                       register_method)
 
 
@@ -228,6 +232,31 @@ class Eagle3Method(DraftMethodBase):
   @property
   def online_loss(self):
     return _eagle3_online_loss
+
+  def policy_overrides(self, draft_cfg, policy_dir):
+    if not draft_cfg.path:
+      return {}
+    if not os.path.isdir(draft_cfg.path):
+      raise FileNotFoundError(f"DraftConfig.path: {draft_cfg.path} is not a directory (an EAGLE-3 "
+                              "head: community format or specjax's orbax save_head)")
+    if not is_eagle3_hf_dir(draft_cfg.path):
+      return {}
+    # a community head names the policy layers it was trained on; the policy must expose those
+    aux = eagle3_aux_layers(draft_cfg.path, config_from_hf(policy_dir).num_layers)
+    return {} if aux is None else {"aux_layers": aux}
+
+  def offline_draft(self, draft_cfg, policy, env):
+    if not draft_cfg.path:
+      head, maps = env.train_eagle3(policy)
+      return OfflineDraft(policy=policy, draft=head, draft_maps=maps)
+    head, maps = load_draft_head(draft_cfg.path, policy.cfg, policy_embed=policy.embed[...])
+    env.log(f"[draft] EAGLE-3 head {draft_cfg.path} (draft vocabulary {maps.draft_vocab} of "
+            f"{maps.vocab_size})")
+    return OfflineDraft(policy=policy, draft=head, draft_maps=maps)
+
+  def save_draft(self, path, *, params, draft_aux, draft):
+    graphdef = nnx.graphdef(draft) if isinstance(draft, nnx.Module) else draft[0]
+    return save_eagle3_hf(path, nnx.merge(graphdef, params["draft"]), draft_aux)
 
 
 def _eagle3_online_loss(x: DraftLossInputs):

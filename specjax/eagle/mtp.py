@@ -17,7 +17,7 @@ from specjax.eagle.drafter import ChainDrafter
 from specjax.models import chunked
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Decoder
-from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase,
+from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
                                       register_method)
 
 
@@ -139,6 +139,25 @@ class MtpMethod(DraftMethodBase):
   @property
   def online_loss(self):
     return _mtp_online_loss
+
+  def policy_overrides(self, draft_cfg, policy_dir):
+    return {"mtp": True}
+
+  def offline_draft(self, draft_cfg, policy, env):
+    if checkpoint_has_mtp(env.policy_dir, policy.cfg):
+      env.log(f"[draft] MTP module imported from {env.policy_dir}")
+      return OfflineDraft(policy=policy)
+    env.log(f"[draft] {env.policy_dir} ships no MTP weights: the MTP module is initialised and "
+            "trained offline on the policy's rollouts (trunk frozen) before RL")
+    return OfflineDraft(policy=env.train_mtp(policy))
+
+
+def checkpoint_has_mtp(path: str, cfg: ModelConfig) -> bool:
+  """Whether the Hugging Face directory `path` ships MTP weights (any layout `load_pretrained`
+  reads) for a decoder of config `cfg`."""
+  from specjax.models.hf import _tensor_files, detect_mtp_layout
+
+  return detect_mtp_layout(_tensor_files(path), cfg) is not None
 
 
 def _mtp_online_loss(x: DraftLossInputs):

@@ -50,17 +50,20 @@ class BaseModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DraftInitConfig:
-  """Offline EAGLE-3 initialisation on the base policy's rollouts."""
+  """The draft built before RL: an EAGLE-3 head or an MTP module trained offline on the base
+  policy's rollouts (when no --rl.draft.path / checkpoint weights give one), or a truncated copy
+  of the policy as the draft model."""
 
   steps: int = 200
   prompts: int = 256
   batch_size: int = 32
   lr: float = 3e-3
   domain: str = "in-domain"  # in-domain: the RL task's prompts; general: other text
+  draft_model_layers: int = 1  # draft-model without --rl.draft.path: the policy's first N layers
 
   def __post_init__(self):
     w = "DraftInitConfig"
-    for name in ("steps", "prompts", "batch_size"):
+    for name in ("steps", "prompts", "batch_size", "draft_model_layers"):
       check(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
     one_of(self.domain, ("in-domain", "general"), f"{w}.domain")
 
@@ -73,7 +76,11 @@ class ExperimentConfig:
   fresh: bool = False  # rebuild the cached base policy and draft head
   resume: bool = False  # continue both runs from their last checkpoints instead of starting over
   model_path: str = ""  # a local Hugging Face checkpoint (skips base pretraining)
-  dataset: str = ""  # a local JSONL/parquet math set (GSM8K or DAPO format)
+  dataset: str = ""  # a local math set (GSM8K or DAPO rows): JSON/JSONL/parquet or a datasets dir
+  # the tokenizer's chat template: "" (the checkpoint's own; an error if it has none), "none"
+  # (plain "User: ..." prompts), a .jinja/.json file, or a jinja string
+  chat_template: str = ""
+  export_hf: str = ""  # after the runs: the final policy as a Hugging Face dir (+ eagle3/ head)
   compare: bool = True  # also run the AR baseline (False: only the configured rollout mode)
   base: BaseModelConfig = BaseModelConfig()
   draft_init: DraftInitConfig = DraftInitConfig()
@@ -124,7 +131,11 @@ def biased_answer(example, rng: np.random.Generator, bias: float) -> str:
 def build_tokenizer(cfg: ExperimentConfig):
   from specjax.models import CharTokenizer, load_tokenizer
 
-  return load_tokenizer(cfg.model_path) if cfg.model_path else CharTokenizer()
+  if cfg.model_path:
+    return load_tokenizer(cfg.model_path, cfg.chat_template or None)
+  check(not cfg.chat_template, "ExperimentConfig.chat_template",
+        "applies to a --model-path tokenizer; the embedded default has its own")
+  return CharTokenizer()
 
 
 def build_task(cfg: ExperimentConfig, tokenizer):
@@ -157,21 +168,42 @@ def _pretrain(model_cfg, examples: list, tokenizer, base: BaseModelConfig, steps
 def build_base_policy(cfg: ExperimentConfig, tokenizer, task, base_examples: Examples,
                       finetune_examples: Examples | None = None, log=print):
   """The policy RL starts from: a local HF checkpoint, or a small decoder pretrained here on the
-  task's text (and, for rl_think, fine-tuned on scratchpad text), cached under cache_dir."""
-  from specjax.models import load_pretrained, save_pretrained
+  task's text (and, for rl_think, fine-tuned on scratchpad text), cached under cache_dir; loaded
+  with what the draft method needs of it (an MTP module, a published head's aux layers)."""
+  path = base_policy_dir(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
+  return load_base_policy(cfg, tokenizer, path, log=log)
 
+
+def load_base_policy(cfg: ExperimentConfig, tokenizer, path: str, log=print):
+  """The base policy at `path` (see `base_policy_dir`), with the draft method's overrides."""
+  from specjax.models import load_pretrained
+
+  overrides = cfg.rl.draft.method.policy_overrides(cfg.rl.draft, path)
   if cfg.model_path:
     log(f"[base] loading {cfg.model_path}")
-    return load_pretrained(cfg.model_path, dtype=cfg.rl.model.dtype)
+    return load_pretrained(cfg.model_path, dtype=cfg.rl.model.dtype, **overrides)
   model_cfg = _model_cfg(cfg, tokenizer)
-  overrides = dict(aux_layers=model_cfg.aux_layers, mtp=model_cfg.mtp,
-                   init_std=model_cfg.init_std, param_dtype=model_cfg.param_dtype)
+  overrides = dict(dict(aux_layers=model_cfg.aux_layers, mtp=model_cfg.mtp,
+                        init_std=model_cfg.init_std, param_dtype=model_cfg.param_dtype),
+                   **overrides)
+  return load_pretrained(path, dtype=model_cfg.dtype, **overrides)
+
+
+def base_policy_dir(cfg: ExperimentConfig, tokenizer, task, base_examples: Examples,
+                    finetune_examples: Examples | None = None, log=print) -> str:
+  """The Hugging Face directory of the base policy: --model-path, or the cached pretrained one
+  (built here first when absent)."""
+  from specjax.models import save_pretrained
+
+  if cfg.model_path:
+    return cfg.model_path
+  model_cfg = _model_cfg(cfg, tokenizer)
   key = _digest("base", model_cfg, cfg.base, cfg.rl.task, cfg.rl.seed,
                 finetune_examples is not None)
   path = os.path.join(cfg.cache_dir, f"base-{key}")
   if os.path.isdir(path) and not cfg.fresh:
     log(f"[base] cached base policy {path}")
-    return load_pretrained(path, dtype=model_cfg.dtype, **overrides)
+    return path
   t0 = time.perf_counter()
   log(f"[base] pretraining a {model_cfg.num_params() / 1e6:.2f}M-parameter decoder on the task's "
       f"text ({cfg.base.steps} steps)")
@@ -183,38 +215,31 @@ def build_base_policy(cfg: ExperimentConfig, tokenizer, task, base_examples: Exa
                          tokenizer, cfg.base, cfg.base.finetune_steps, cfg.rl.seed + 1, start=model)
   _atomic_dir(path, lambda tmp: save_pretrained(model, tmp))
   log(f"[base] done in {time.perf_counter() - t0:.1f} s, cached at {path}")
-  return load_pretrained(path, dtype=model_cfg.dtype, **overrides)
+  return path
 
 
 def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
   """Offline EAGLE-3 initialisation on the policy's rollouts (in-domain: the RL task's prompts;
   general: `general_prompts`, word-like text), cached under cache_dir."""
-  import jax
   from specjax.eagle.checkpoint import load_head, save_head
   from specjax.eagle.train import DraftTrainConfig, train_draft_head
-  from specjax.rl.rollout import pad_prompts, sampling_config
+  from specjax.rl.rollout import sampling_config
 
   d = cfg.draft_init
   graphdef, params = nnx.split(policy)
-  leaves = jax.tree.leaves(params)
-  fingerprint = float(sum(float(np.asarray(x, np.float64).sum()) for x in leaves[:8]))
-  key = _digest("draft", d, cfg.rl.draft, cfg.rl.rollout, cfg.rl.task, policy.cfg, fingerprint)
+  key = _digest("draft", d, cfg.rl.draft, cfg.rl.rollout, cfg.rl.task, policy.cfg,
+                _fingerprint(params))
   path = os.path.join(cfg.cache_dir, f"eagle3-{key}")
   if os.path.isdir(path) and not cfg.fresh:
     log(f"[draft] cached EAGLE-3 head {path}")
     return load_head(os.path.abspath(path), policy.cfg)
-  if d.domain == "in-domain":
-    prompts = [task.encode_prompt(e) for e in task.examples(10_000_000, d.prompts)]
-  else:
-    prompts = general_prompts(tokenizer, d.prompts, cfg.rl.seed)
-  width = max(len(p) for p in prompts)
-  toks, lens, _ = pad_prompts(prompts, width, tokenizer.pad_id)
+  toks, lens = _in_domain_prompts(cfg, tokenizer, task)
   t0 = time.perf_counter()
-  log(f"[draft] training an EAGLE-3 head on {len(prompts)} {d.domain} rollouts ({d.steps} steps)")
+  log(f"[draft] training an EAGLE-3 head on {len(toks)} {d.domain} rollouts ({d.steps} steps)")
   train_cfg = DraftTrainConfig(steps=d.steps, batch_size=d.batch_size, learning_rate=d.lr,
                                warmup_steps=min(20, d.steps - 1), ttt_steps=cfg.rl.draft.ttt_steps,
                                seed=cfg.rl.seed)
-  result = train_draft_head((graphdef, params), np.asarray(toks), np.asarray(lens),
+  result = train_draft_head((graphdef, params), toks, lens,
                             sampling=sampling_config(cfg.rl, tokenizer), config=train_cfg)
   last = result.history[-1]
   log(f"[draft] done in {time.perf_counter() - t0:.1f} s: TTT loss {last['loss']:.3f}, "
@@ -223,8 +248,112 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
   return load_head(os.path.abspath(path), policy.cfg)
 
 
-# draft methods whose draft the experiment trains offline before RL: (draft, draft_maps) builders
-OFFLINE_DRAFT_INIT = {"eagle3": build_draft_head}
+def _fingerprint(params) -> float:
+  """A cheap content key of a policy's params (cache keys): the sum of its first leaves."""
+  import jax
+
+  return float(sum(float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(params)[:8]))
+
+
+def _in_domain_prompts(cfg: ExperimentConfig, tokenizer, task):
+  """(tokens, lengths) of the offline-draft prompts (`DraftInitConfig.domain`)."""
+  from specjax.rl.rollout import pad_prompts
+
+  d = cfg.draft_init
+  if d.domain == "in-domain":
+    prompts = [task.encode_prompt(e) for e in task.examples(10_000_000, d.prompts)]
+  else:
+    prompts = general_prompts(tokenizer, d.prompts, cfg.rl.seed)
+  toks, lens, _ = pad_prompts(prompts, max(len(p) for p in prompts), tokenizer.pad_id)
+  return np.asarray(toks), np.asarray(lens)
+
+
+def build_mtp_module(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
+  """Offline MTP training: the policy's MTP module alone (trunk frozen) on the policy's rollouts
+  of the draft-init prompts; the trained module is cached under cache_dir. Returns the policy."""
+  import jax
+  from safetensors.numpy import load_file, save_file
+
+  from specjax.eagle.train import collect_rollouts
+  from specjax.experiment.pretrain import LmTrainConfig, train_lm
+  from specjax.rl.rollout import sampling_config
+
+  d = cfg.draft_init
+  trunk = nnx.state(policy, nnx.Not(nnx.PathContains("mtp")))
+  key = _digest("mtp", d, cfg.rl.rollout, cfg.rl.task, policy.cfg, _fingerprint(trunk))
+  path = os.path.join(cfg.cache_dir, f"mtp-{key}")
+  file = os.path.join(path, "mtp.safetensors")
+  if not (os.path.isfile(file) and not cfg.fresh):
+    toks, lens = _in_domain_prompts(cfg, tokenizer, task)
+    t0 = time.perf_counter()
+    log(f"[draft] training the MTP module on {len(toks)} {d.domain} rollouts ({d.steps} steps)")
+    sampling = sampling_config(cfg.rl, tokenizer)
+    rollouts = collect_rollouts(policy, toks, lens, jax.random.PRNGKey(cfg.rl.seed), sampling,
+                                batch_size=d.batch_size)
+    train_cfg = LmTrainConfig(steps=d.steps, batch_size=d.batch_size, learning_rate=d.lr,
+                              warmup_steps=min(20, d.steps - 1), mtp_only=True, seed=cfg.rl.seed)
+    trained, history = train_lm(policy, rollouts.tokens, rollouts.loss_mask, train_cfg,
+                                progress=cfg.rl.progress)
+    log(f"[draft] done in {time.perf_counter() - t0:.1f} s: MTP loss {history[-1]['loss']:.3f}, "
+        f"top-1 accuracy {history[-1].get('mtp_acc', float('nan')):.2f}")
+    flat = {"/".join(map(str, p)): np.asarray(jax.device_get(v.get_value()))
+            for p, v in nnx.to_flat_state(nnx.state(trained, nnx.PathContains("mtp")))}
+    _atomic_dir(path, lambda tmp: save_file(flat, os.path.join(tmp, "mtp.safetensors")))
+  else:
+    log(f"[draft] cached MTP module {path}")
+  saved = load_file(file)
+  state = nnx.state(policy, nnx.PathContains("mtp"))
+  for p, v in nnx.to_flat_state(state):
+    v.set_value(jax.numpy.asarray(saved["/".join(map(str, p))], v.get_value().dtype))
+  nnx.update(policy, state)
+  return policy
+
+
+@dataclasses.dataclass(frozen=True)
+class _OfflineEnv:
+  """The driver's side of `specjax.sampling.methods.OfflineEnv`."""
+
+  cfg: ExperimentConfig
+  tokenizer: Any
+  task: Any
+  policy_dir: str
+  log: Callable[[str], None]
+
+  @property
+  def draft_model_layers(self) -> int:
+    return self.cfg.draft_init.draft_model_layers
+
+  def train_eagle3(self, policy):
+    return build_draft_head(self.cfg, policy, self.tokenizer, self.task, log=self.log)
+
+  def train_mtp(self, policy):
+    return build_mtp_module(self.cfg, policy, self.tokenizer, self.task, log=self.log)
+
+
+def build_offline_draft(cfg: ExperimentConfig, policy, tokenizer, task, policy_dir: str,
+                        log=print):
+  """The draft the RL runs start from, as the draft method builds it (`OfflineDraft`)."""
+  env = _OfflineEnv(cfg, tokenizer, task, policy_dir, log)
+  return cfg.rl.draft.method.offline_draft(cfg.rl.draft, policy, env)
+
+
+def export_outputs(cfg: ExperimentConfig, rl_cfg: RLConfig, policy_graphdef, state, draft,
+                   log=print) -> dict[str, str]:
+  """--export-hf: the run's final policy as a Hugging Face directory (config and tokenizer files
+  of --model-path kept) and, for a draft that trains (EAGLE-3), the draft in its serving format
+  in a subdirectory named after the method."""
+  from specjax.models.export import export_hf
+
+  method = rl_cfg.draft.method
+  policy = nnx.merge(policy_graphdef, method.forward_params(state.params))
+  out = {"policy": export_hf(policy, cfg.export_hf, source_dir=cfg.model_path or None)}
+  log(f"[export] final policy -> {out['policy']}")
+  head = method.save_draft(os.path.join(out["policy"], method.name), params=state.params,
+                           draft_aux=state.draft_aux, draft=draft)
+  if head is not None:
+    out["draft"] = head
+    log(f"[export] {method.name} draft -> {head}")
+  return out
 
 
 def run_modes(cfg: ExperimentConfig) -> list[tuple[str, RLConfig]]:
@@ -239,21 +368,25 @@ def run_modes(cfg: ExperimentConfig) -> list[tuple[str, RLConfig]]:
 def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
                    finetune_examples: Examples | None = None, log=print) -> dict[str, Any]:
   """All stages; returns the summary written to <out_dir>/<name>/summary.json."""
+  import jax
+  import jax.numpy as jnp
+
   from specjax.experiment.report import write_report
 
   t_start = time.perf_counter()
   out = os.path.join(cfg.out_dir, cfg.name)
   os.makedirs(out, exist_ok=True)
+  check_export_dir(cfg)
   tokenizer = build_tokenizer(cfg)
   task = build_task(cfg, tokenizer)
-  policy = build_base_policy(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
-  head, maps = None, None
-  offline_init = OFFLINE_DRAFT_INIT.get(cfg.rl.draft.kind)
-  if offline_init is not None:
-    head, maps = offline_init(cfg, policy, tokenizer, task, log=log)
+  policy_dir = base_policy_dir(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
+  policy = load_base_policy(cfg, tokenizer, policy_dir, log=log)
+  offline = build_offline_draft(cfg, policy, tokenizer, task, policy_dir, log=log)
+  policy, head, maps = offline.policy, offline.draft, offline.draft_maps
   initial = initial_validation(cfg, policy, tokenizer, task, log=log)
-  results = {}
-  for label, rl_cfg in run_modes(cfg):
+  results, final = {}, None
+  modes = run_modes(cfg)
+  for i, (label, rl_cfg) in enumerate(modes):
     run_dir = os.path.join(out, label)
     if not cfg.resume:
       shutil.rmtree(run_dir, ignore_errors=True)
@@ -262,6 +395,8 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
     rl_cfg = dataclasses.replace(
         rl_cfg, checkpoint=dataclasses.replace(rl_cfg.checkpoint, resume=cfg.resume))
     graphdef, params = nnx.split(policy)
+    if i < len(modes) - 1:  # the train step donates its state: later runs need the originals
+      params = jax.tree.map(jnp.copy, params)
     kw = dict(out_dir=run_dir, draft=head if label == "spec" else None,
               draft_maps=maps if label == "spec" else None, verbose=True)
     if cfg.async_rl.enabled:
@@ -270,9 +405,30 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
     else:
       from specjax.rl.loop import run_rl
       summary = run_rl(rl_cfg, (graphdef, params), tokenizer, task, **kw)
-    summary.pop("state", None)
+    state = summary.pop("state", None)
     results[label] = summary
+    final = (rl_cfg, graphdef, state, head if label == "spec" else None)
+    saved = rl_cfg.draft.method.save_draft(os.path.join(run_dir, "draft_hf"),
+                                           params=state.params, draft_aux=state.draft_aux,
+                                           draft=final[3]) if state is not None else None
+    if saved:
+      log(f"[rl:{label}] trained {rl_cfg.draft.kind} draft (serving format) -> {saved}")
+  if cfg.export_hf and final is not None:  # the last run: the speculative one, or the only one
+    export_outputs(cfg, *final, log=log)
   return write_report(cfg, out, results, wall_s=time.perf_counter() - t_start, initial=initial)
+
+
+def check_export_dir(cfg: ExperimentConfig) -> None:
+  """Fail before any run when --export-hf names a non-empty directory or the source checkpoint."""
+  if not cfg.export_hf:
+    return
+  target = os.path.abspath(cfg.export_hf)
+  check(not cfg.model_path or target != os.path.abspath(cfg.model_path),
+        "ExperimentConfig.export_hf", f"must differ from --model-path ({cfg.model_path})")
+  check(not (os.path.isdir(target) and os.listdir(target)), "ExperimentConfig.export_hf",
+        f"{cfg.export_hf} exists and is not empty; choose a new directory")
+  check(not os.path.exists(target) or os.path.isdir(target), "ExperimentConfig.export_hf",
+        f"{cfg.export_hf} exists and is not a directory")
 
 
 def initial_validation(cfg: ExperimentConfig, policy, tokenizer, task, log=print) -> dict:

@@ -8,6 +8,7 @@ the cheapest draft that agrees with a random-weight target often enough to bench
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, ClassVar
 
 import jax
@@ -17,7 +18,7 @@ from flax import nnx
 from specjax.models.cache import KVCache
 from specjax.models.decoder import Decoder
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
-from specjax.sampling.methods import DraftMethodBase, register_method
+from specjax.sampling.methods import DraftMethodBase, OfflineDraft, register_method
 from specjax.sampling.processing import process_logits
 
 
@@ -123,6 +124,27 @@ class DraftModelMethod(DraftMethodBase):
     vocab = nnx.merge(graphdef, params).cfg.vocab_size
     return DraftModelDrafter(draft_len=draft_cfg.draft_len, vocab_size=vocab,
                              graphdef=graphdef), params
+
+  def offline_draft(self, draft_cfg, policy, env):
+    if not draft_cfg.path:
+      env.log(f"[draft] draft model: the policy's first {env.draft_model_layers} of "
+              f"{policy.cfg.num_layers} layers (shared embedding and LM head)")
+      draft = truncated_copy(policy, env.draft_model_layers)
+      # its own arrays: the RL train step donates (reuses) the policy's buffers
+      nnx.update(draft, jax.tree.map(jnp.copy, nnx.state(draft)))
+      return OfflineDraft(policy=policy, draft=draft)
+    from specjax.models.hf import load_pretrained
+
+    if not os.path.isfile(os.path.join(draft_cfg.path, "config.json")):
+      raise FileNotFoundError(f"DraftConfig.path: {draft_cfg.path} is not a Hugging Face "
+                              "directory (no config.json)")
+    draft = load_pretrained(draft_cfg.path, dtype=policy.cfg.dtype)
+    if draft.cfg.vocab_size != policy.cfg.vocab_size:
+      raise ValueError(f"DraftConfig.path: {draft_cfg.path} has vocab_size "
+                       f"{draft.cfg.vocab_size}, the policy {policy.cfg.vocab_size}; a draft model "
+                       "must share the policy's vocabulary")
+    env.log(f"[draft] draft model {draft_cfg.path} ({draft.cfg.num_params() / 1e6:.2f}M params)")
+    return OfflineDraft(policy=policy, draft=draft)
 
 
 register_method(DraftModelMethod())

@@ -48,6 +48,35 @@ class DraftLossInputs:
 DraftLoss = Callable[[DraftLossInputs], "tuple[jax.Array, dict[str, jax.Array]]"]
 
 
+@dataclasses.dataclass(frozen=True)
+class OfflineDraft:
+  """What a method's `offline_draft` hands the RL runs: the policy they start from (for "mtp",
+  with its MTP module trained) and the draft object and vocabulary maps `setup_run` takes."""
+
+  policy: Any
+  draft: Any = None
+  draft_maps: Any = None
+
+
+class OfflineEnv(Protocol):
+  """What the application lends a method to build its draft before RL: where the policy came
+  from, its (cached) offline trainers on the policy's own rollouts of the RL prompts, and a log.
+  The methods choose what to call; the application never looks at the kind."""
+
+  policy_dir: str  # the Hugging Face directory the policy was loaded from
+  draft_model_layers: int  # draft-model without DraftConfig.path: the policy's first N layers
+
+  def log(self, message: str) -> None: ...
+
+  def train_eagle3(self, policy) -> tuple[Any, Any]:
+    """(head, maps): an EAGLE-3 head trained offline (TTT) on the policy's rollouts."""
+    ...
+
+  def train_mtp(self, policy) -> Any:
+    """The policy with its MTP module trained offline (trunk frozen) on its own rollouts."""
+    ...
+
+
 @runtime_checkable
 class DraftMethod(Protocol):
   """One way of drafting. `draft_cfg` is the RL `DraftConfig` (draft_len, ngram_min/max, ...)."""
@@ -84,6 +113,20 @@ class DraftMethod(Protocol):
     method cannot learn online."""
     ...
 
+  def policy_overrides(self, draft_cfg, policy_dir: str) -> dict:
+    """ModelConfig overrides the policy at `policy_dir` is loaded with (MTP module, aux layers)."""
+    ...
+
+  def offline_draft(self, draft_cfg, policy, env: OfflineEnv) -> OfflineDraft:
+    """The draft the RL runs start from: loaded from DraftConfig.path, derived from the policy, or
+    trained offline with `env`'s trainers."""
+    ...
+
+  def save_draft(self, path: str, *, params: dict, draft_aux: Any, draft: Any) -> str | None:
+    """Write the draft a run trained (train-state groups `params`) for serving; None: nothing to
+    write (a fixed draft, or one inside the policy)."""
+    ...
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftMethodBase:
@@ -111,6 +154,15 @@ class DraftMethodBase:
 
   @property
   def online_loss(self) -> DraftLoss | None:
+    return None
+
+  def policy_overrides(self, draft_cfg, policy_dir: str) -> dict:
+    return {}
+
+  def offline_draft(self, draft_cfg, policy, env: OfflineEnv) -> OfflineDraft:
+    return OfflineDraft(policy=policy)
+
+  def save_draft(self, path: str, *, params: dict, draft_aux: Any, draft: Any) -> str | None:
     return None
 
 
