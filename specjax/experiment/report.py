@@ -118,6 +118,32 @@ def _plots(out: str, stats: dict[str, dict], initial: dict[str, float] | None) -
   return paths
 
 
+def scaled_projection(cfg: Any, results: dict[str, dict], stats: dict[str, dict]) -> dict | None:
+  """The simulator's projection of this configuration (batch, completion lengths, drafter, K,
+  measured acceptance) scaled to Qwen3-8B on 8 H100s: a projection, not a measurement."""
+  spec = stats.get("spec")
+  if spec is None or not spec["acceptance_length"]:
+    return None
+  from specjax.sim import project_scaled
+
+  records = read_metrics(results["spec"]["metrics_path"])
+  lengths = [r["response/length_mean"] for r in records if "response/length_mean" in r]
+  rl = cfg.rl
+  try:
+    p = project_scaled(batch=rl.rollout_batch, group_size=rl.grpo.group_size,
+                       completion_lengths=lengths or [rl.rollout.max_new_tokens / 2],
+                       max_new=rl.rollout.max_new_tokens,
+                       acceptance_length=spec["acceptance_length_mean"],
+                       draft_kind=rl.draft.kind, draft_len=rl.draft.draft_len,
+                       model="qwen3-8b", hardware="h100", gpus=8, adaptive=rl.draft.adaptive)
+  except (ValueError, KeyError) as e:  # a kind or shape the simulator does not model
+    return {"label": "projection unavailable", "reason": str(e)}
+  return {"label": "PROJECTION (simulator, not measured): this workload scaled to Qwen3-8B on "
+                   "8 H100s", **{k: p[k] for k in ("rollout_speedup", "step_speedup", "ar_gen_s",
+                                                   "spec_gen_s", "ar_step_s", "spec_step_s",
+                                                   "acceptance_length", "mean_completion_len")}}
+
+
 def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
                  initial: dict[str, float] | None = None) -> dict[str, Any]:
   stats = {label: run_stats(read_metrics(r["metrics_path"])) for label, r in results.items()}
@@ -139,6 +165,11 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
           "test": "two-sided two-proportion z-test on final validation accuracy",
           "n_per_run": n, "alpha": 0.05, **test,
           "agree_within_noise": test["p_value"] >= 0.05}
+  if "spec" in stats:
+    summary["acceptance_length"] = stats["spec"]["acceptance_length_mean"]
+  summary["validation"] = {label: {"steps": s["val_steps"], "accuracy": s["val_accuracy"]}
+                           for label, s in stats.items()}
+  summary["projection"] = scaled_projection(cfg, results, stats)
   summary["plots"] = _plots(out, stats, initial)
   path = os.path.join(out, "summary.json")
   tmp = path + ".tmp"
@@ -165,6 +196,13 @@ def format_table(summary: dict[str, Any]) -> str:
   if "rollout_speedup" in summary:
     lines.append(f"rollout speedup {summary['rollout_speedup']:.2f}x, "
                  f"step speedup {summary['step_speedup']:.2f}x")
+  for label, v in summary.get("validation", {}).items():
+    lines.append(f"{label} validation accuracy by step: " +
+                 ", ".join(f"{st}:{a:.2f}" for st, a in zip(v["steps"], v["accuracy"])))
+  proj = summary.get("projection")
+  if proj and "rollout_speedup" in proj:
+    lines.append(f"{proj['label']}: rollout {proj['rollout_speedup']:.2f}x, "
+                 f"step {proj['step_speedup']:.2f}x")
   if "agreement_test" in summary:
     t = summary["agreement_test"]
     lines.append(f"AR vs spec final accuracy: {t['test']}, p = {t['p_value']:.3f} "

@@ -79,6 +79,8 @@ class RolloutEngine:
                key: jax.Array, greedy: bool = False, group_size: int | None = None) -> Rollout:
     scfg = sampling_config(self.cfg, self.tokenizer, greedy)
     engine = engine_config(self.cfg)
+    if greedy:  # validation: accuracy, not speed; few buckets and a fixed K keep compiles few
+      engine = dataclasses.replace(engine, adaptive=False, max_draft_len=0, max_buckets=3)
     if self.drafter is None:
       return generate((self.policy_graphdef, policy), prompts, prompt_lengths, key, scfg,
                       engine=engine)
