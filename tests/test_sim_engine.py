@@ -222,3 +222,32 @@ def test_forward_probe_json_loads_wall_or_cpu_seconds_and_names_a_missing_field(
     machine_fit.forward_cases(str(path), clock="cpu")
   with pytest.raises(ValueError, match="clock"):
     machine_fit.forward_cases(str(path), clock="gpu")
+
+
+def test_bench_engine_layout_with_percentile_lengths_and_drafter_prefixed_arms(tmp_path):
+  """experiments/bench_engine.py writes length percentiles as fractions of max_new, names arms
+  <drafter>_<engine> and shares one calibration table between two drafters."""
+  cfg = {"hidden": 64, "layers": 2, "heads": 2, "kv_heads": 1, "head_dim": 32, "vocab": 512,
+         "batch": 16, "max_new": 100, "prompt_len": 16, "temperature": 1.0, "max_draft_len": 4,
+         "static_k": 3, "draft_vocab": 128,
+         "length_quantiles": {"p10": 0.1, "p50": 0.25, "p90": 1.0}}
+  arm = {"rollout_s": 1.0, "acceptance_length": 2.0, "tokens": 600, "k_per_bucket": {"16": 2},
+         "segments": [{"bucket": 16, "draft_len": 2, "window": 0, "iterations": 10,
+                       "live_rows_start": 16, "seconds": 0.5, "tokens": 300}]}
+  data = {"machine": "t", "command": "t", "config": cfg, "target_params": 1,
+          "calibration": {"rows": [{"bucket": 16, "draft_len": 0, "step_s": 0.01}],
+                          "drafter": "eagle3+ngram"},
+          "arms": {"ar_static": dict(arm, acceptance_length=1.0), "spec_static": arm,
+                   "ngram_adaptive": arm}}
+  path = tmp_path / "bench_engine.json"
+  path.write_text(json.dumps(data))
+  steps, arms = machine_fit.engine_cases(str(path))
+  assert steps == []  # one table for two drafters: not attributable
+  by = {c.name.split()[-1]: c for c in arms}
+  assert by["spec_static"].drafter == "eagle3" and by["spec_static"].config.draft_len == 2
+  assert by["ngram_adaptive"].drafter == "ngram" and by["ngram_adaptive"].config.adaptive
+  assert not by["ngram_adaptive"].config.windowed  # its segments ran without a window
+  lengths = np.array(by["ar_static"].lengths)
+  assert lengths.min() == pytest.approx(10) and lengths.max() == pytest.approx(100)
+  for c in arms:
+    assert c.predict(CPU_EFF) > 0

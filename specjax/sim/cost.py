@@ -102,13 +102,13 @@ def target_net(m: ModelSpec) -> Net:
              experts_per_token=m.experts_per_token, bytes_per_param=m.bytes_per_param)
 
 
-def eagle3_net(m: ModelSpec) -> Net:
+def eagle3_net(m: ModelSpec, draft_vocab: int = DRAFT_VOCAB) -> Net:
   """EAGLE-3 head: fc 3d->d, one layer whose q/k/v read 2d, dense SwiGLU, draft-vocab LM head."""
   d, hd = m.hidden, m.head_dim
   attn = 2 * d * hd * (m.heads + 2 * m.kv_heads) + m.heads * hd * d
-  params = 3 * d * d + attn + 3 * d * m.intermediate + DRAFT_VOCAB * d
+  params = 3 * d * d + attn + 3 * d * m.intermediate + draft_vocab * d
   return Net(dense_params=params, kv_bytes_per_token=2 * m.kv_heads * hd * m.kv_bytes,
-             attn_pair_flops=4 * m.heads * hd, vocab=DRAFT_VOCAB, hidden=d, layers=1,
+             attn_pair_flops=4 * m.heads * hd, vocab=draft_vocab, hidden=d, layers=1,
              bytes_per_param=m.bytes_per_param)
 
 

@@ -30,7 +30,8 @@ class EngineConfig:
   """How the engine runs one rollout batch. `draft_len` is the fixed K of non-adaptive runs
   (0 = plain AR); adaptive runs pick K in [0, max_draft_len] per bucket. `compact` gathers the
   live rows into the next smaller power-of-two bucket (>= min_bucket) when they fit; `windowed`
-  attends over [0, W) with W the longest live row + K + 1 rounded up to `window_multiple`."""
+  attends over [0, W) with W the smallest window_multiple * 2^j holding the longest live row
+  + K + 1."""
 
   batch: int
   prompt_len: int
@@ -242,7 +243,11 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
 
 
 def _window(cfg: EngineConfig, longest: float, k: int) -> int:
+  """The smallest window_multiple * 2^j holding the step's writes (as the engine's
+  window_for), the whole static cache when that reaches it or windows are off."""
   if not cfg.windowed:
     return cfg.cache_size
-  m = cfg.window_multiple
-  return int(min(cfg.cache_size, m * math.ceil((longest + k + 1) / m)))
+  w = cfg.window_multiple
+  while w < longest + k + 1:
+    w *= 2
+  return int(min(cfg.cache_size, w))

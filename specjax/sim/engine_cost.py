@@ -26,6 +26,7 @@ class EngineCost:
   drafter: str = "none"
   draft_model: ModelSpec | None = None
   mp: int = 1
+  draft_vocab: int = cost.DRAFT_VOCAB  # EAGLE-3 head's reduced vocabulary
 
   def __post_init__(self):
     if self.drafter not in ENGINE_DRAFTERS:
@@ -38,7 +39,7 @@ class EngineCost:
     if self.drafter == "draft-model":
       return cost.target_net(self.draft_model)
     if self.drafter == "eagle3":
-      return cost.eagle3_net(self.model)
+      return cost.eagle3_net(self.model, self.draft_vocab)
     return cost.mtp_net(self.model)
 
   def target_forward(self, rows: int, tokens: int, window: int,

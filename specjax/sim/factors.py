@@ -14,10 +14,10 @@ CALIBRATED: dict[str, Efficiency] = {
                         prepare_overhead_s=5.0, other_s=2.0),
     # Fitted on specjax's own engine runs on the project's 2-core CPU, process CPU time
     # (docs/sim_data/cpu_validation_cputime.json; docs/SIMULATOR.md, CPU calibration).
-    "cpu": Efficiency(bw=0.3456, kv_bw=0.08774, flops=0.3755, attn_flops=0.1414,
-                      step_overhead_s=2.092e-4, draft_overhead_s=1.562e-5,
-                      layer_overhead_s=5.492e-7, logit_s=5.275e-8, segment_overhead_s=0.02249,
-                      overlap_p=1.0),
+    "cpu": Efficiency(bw=0.3456, kv_bw=0.08866, flops=0.3752, attn_flops=0.1382,
+                      step_overhead_s=0.0003245, draft_overhead_s=1.443e-05,
+                      layer_overhead_s=5.574e-07, logit_s=4.631e-08,
+                      segment_overhead_s=0.02338, overlap_p=1.0),
 }
 
 # Hardware without measurements inherits the fractions fitted on this one.

@@ -73,7 +73,7 @@ class StepCase:
   """One timed engine iteration (bench_engine's startup calibration)."""
 
   name: str
-  cost_args: tuple  # (model, draft_model | None, drafter)
+  cost_args: tuple  # (model, draft_model | None, drafter, draft vocabulary)
   bucket: int
   draft_len: int
   window: int
@@ -83,8 +83,9 @@ class StepCase:
   group: str = "step"
 
   def predict(self, eff: Efficiency, hw: HardwareSpec = CPU) -> float:
-    model, draft, drafter = self.cost_args
-    step = EngineCost(model, hw, eff, drafter if self.draft_len else "none", draft).step(
+    model, draft, drafter, vocab = self.cost_args
+    step = EngineCost(model, hw, eff, drafter if self.draft_len else "none", draft,
+                      draft_vocab=vocab).step(
         self.bucket, self.draft_len, self.window)
     return step + eff.segment_overhead_s / self.iters
 
@@ -104,11 +105,13 @@ class RolloutCase:
   k_per_bucket: tuple = ()  # ((bucket, K), ...) as the run chose, for adaptive arms
   weight: float = 2.0
   group: str = "rollout"
+  draft_vocab: int = 32000
 
   def run(self, eff: Efficiency, hw: HardwareSpec = CPU):
     c = self.config
     spec = c.draft_len > 0 or c.adaptive
-    ec = EngineCost(self.model, hw, eff, self.drafter if spec else "none", self.draft_model)
+    ec = EngineCost(self.model, hw, eff, self.drafter if spec else "none", self.draft_model,
+                    draft_vocab=self.draft_vocab)
     prefill = ec.prefill(c.batch, c.prompt_len, c.cache_size, c.max_draft_len if spec else 0)
     c = dataclasses.replace(c, segment_overhead_s=eff.segment_overhead_s)
     return run_engine(c, list(self.lengths), list(self.rates), ec.step, prefill,
@@ -192,9 +195,23 @@ def _label(data: dict, path: str) -> str:
           f"N={a.get('max_new')}")
 
 
-def quantile_lengths(quantiles: Sequence[float], batch: int) -> np.ndarray:
-  """`batch` lengths from a list of evenly spaced quantiles of the completion lengths
-  (piecewise-linear interpolation, e.g. bench_engine's length_quantiles)."""
+def quantile_lengths(quantiles, batch: int, max_new: int | None = None) -> np.ndarray:
+  """`batch` lengths from completion-length quantiles: a list of evenly spaced quantiles, or a
+  dict {"p10": x, "p50": y, ...} (bench_engine.py; values <= 1 are fractions of max_new),
+  interpolated piecewise-linearly and held flat beyond the outermost percentiles."""
+  if isinstance(quantiles, dict):
+    try:
+      pts = sorted((float(k.lstrip("p")) / 100.0, float(v)) for k, v in quantiles.items())
+    except ValueError:
+      raise ValueError(f"config.length_quantiles: keys must look like 'p50', got "
+                       f"{sorted(quantiles)}") from None
+    if not pts:
+      raise ValueError("config.length_quantiles: empty")
+    vals = np.array([v for _, v in pts])
+    if max_new and vals.max() <= 1.0:
+      vals = vals * max_new
+    at = (np.arange(batch) + 0.5) / batch
+    return np.maximum(np.interp(at, [p for p, _ in pts], vals), 1.0)
   q = np.asarray(quantiles, float)
   if q.ndim != 1 or len(q) == 0:
     raise ValueError("config.length_quantiles: must be a non-empty list of lengths")
@@ -224,9 +241,13 @@ def engine_cases(path: str, measured_k: bool = True, clock: str = "wall"
   prompt_len = int(_need(cfgj, "prompt_len", where))
   max_new = int(_need(cfgj, "max_new", where))
   max_k = int(_need(cfgj, "max_draft_len", where))
-  lengths = quantile_lengths(_need(cfgj, "length_quantiles", where), batch)
+  lengths = quantile_lengths(_need(cfgj, "length_quantiles", where), batch, max_new)
   calib = _need(data, "calibration", path)
-  drafter, draft = _engine_drafter(str(calib.get("drafter", "draft-model")), cfgj, model)
+  calib_drafter = str(calib.get("drafter", "draft-model"))
+  # "eagle3+ngram": one table for two drafters, rows not attributable: no step cases
+  mixed = "+" in calib_drafter
+  drafter, draft = _engine_drafter(calib_drafter.split("+")[0], cfgj, model)
+  draft_vocab = int(cfgj.get("draft_vocab", 32000))
   extra = {k: int(cfgj[k]) for k in ("min_bucket", "dp", "window_multiple") if k in cfgj}
   arms = _need(data, "arms", path)
   first_window = {}  # (bucket, K) -> window of the first segment that ran it
@@ -234,28 +255,40 @@ def engine_cases(path: str, measured_k: bool = True, clock: str = "wall"
     for seg in a.get("segments") or []:
       first_window.setdefault((seg.get("bucket"), seg.get("draft_len")), seg.get("window"))
   steps = []
-  for i, r in enumerate(_need(calib, "rows", f"{path}:calibration") if clock == "wall" else ()):
+  rows = _need(calib, "rows", f"{path}:calibration")
+  for i, r in enumerate(rows if clock == "wall" and not mixed else ()):
     w = f"{path}:calibration.rows[{i}]"
     b, k = int(_need(r, "bucket", w)), int(_need(r, "draft_len", w))
     window = r.get("window") or first_window.get((b, k)) or prompt_len + max_new + max_k + 1
-    steps.append(StepCase(f"{_engine_label(cfgj)} calib b={b} K={k}", (model, draft, drafter),
+    steps.append(StepCase(f"{_engine_label(cfgj)} calib b={b} K={k}",
+                          (model, draft, drafter, draft_vocab),
                           b, k, int(window), float(_need(r, "step_s", w)),
                           int(r.get("iters", 3))))
   rollouts = []
   for arm, a in arms.items():
     w = f"{path}:arms.{arm}"
-    base = arm if arm in ("ar_static", "ar_compact", "spec_static", "spec_compact",
-                          "spec_adaptive") else (
-        "spec_compact" if arm.startswith("spec") else "ar_compact")
+    # "<drafter>_<engine>": ar / spec (the calibration drafter) / ngram / eagle3 / draft_model,
+    # then static / compact / adaptive
+    kind, _, mode = arm.rpartition("_")
+    if mode not in ("static", "compact", "adaptive"):
+      kind, mode = arm, "compact"
+    base = ("ar_" if kind == "ar" else "spec_") + mode
+    arm_drafter, arm_draft = (drafter, draft) if kind in ("spec", "") else (
+        _engine_drafter(kind, cfgj, model) if kind != "ar" else ("none", None))
     segs = a.get("segments") or []
     kw = dict(batch=batch, prompt_len=prompt_len, max_new=max_new, max_draft_len=max_k, **extra)
+    blocks = [s_["window"] for s_ in segs if s_.get("window")]
+    if blocks:
+      kw["window_multiple"] = min(blocks)
     if base in ("spec_static", "spec_compact"):
-      k_fixed = max((s.get("draft_len", 0) for s in segs), default=0) or int(
-          cfgj.get("draft_len", min(3, max_k)))
+      k_fixed = max((s_.get("draft_len", 0) for s_ in segs), default=0) or int(
+          cfgj.get("static_k", cfgj.get("draft_len", min(3, max_k))))
       kw["draft_len"] = kw["max_draft_len"] = max(1, min(k_fixed, max_k))
     elif base.startswith("ar"):
       kw["max_draft_len"] = 0  # the cache holds prompt + completion only
     cfg = EngineConfig.for_arm(base, **kw)
+    if segs and not blocks:  # the engine ran without windows (its default)
+      cfg = dataclasses.replace(cfg, windowed=False)
     acc = float(a.get("acceptance_length", 1.0))
     rates = tuple(a.get("per_position_acceptance_rate") or ())
     if base.startswith("spec") and len(rates) < cfg.max_draft_len:
@@ -264,10 +297,12 @@ def engine_cases(path: str, measured_k: bool = True, clock: str = "wall"
     arm_lengths = a.get("lengths")
     if arm_lengths is not None and len(arm_lengths) != batch:
       raise ValueError(f"{w}.lengths: {len(arm_lengths)} lengths for config.batch={batch}")
-    rollouts.append(RolloutCase(f"{_engine_label(cfgj)} {arm}", model, draft, drafter, cfg,
+    rollouts.append(RolloutCase(f"{_engine_label(cfgj)} {arm}", model, arm_draft,
+                                arm_drafter, cfg,
                                 tuple(arm_lengths if arm_lengths is not None else lengths),
                                 rates, float(_need(a, arm_key, w)),
-                                kpb if cfg.adaptive and measured_k else ()))
+                                kpb if cfg.adaptive and measured_k else (),
+                                draft_vocab=draft_vocab))
   return steps, rollouts
 
 
@@ -292,9 +327,10 @@ def _engine_drafter(name: str, cfgj: dict, model: ModelSpec):
   if name in ("draft-model", "truncated", "draft"):
     layers = int(cfgj.get("draft_layers", 1))
     return "draft-model", dataclasses.replace(model, name="draft", layers=layers)
-  if name in ("eagle3", "mtp"):
+  if name in ("eagle3", "mtp", "ngram"):
     return name, None
-  raise ValueError(f"calibration.drafter: must be draft_model, eagle3 or mtp, got {name!r}")
+  raise ValueError(f"calibration.drafter: must be draft_model, eagle3, mtp or ngram, got "
+                   f"{name!r}")
 
 
 def fit(cases: Sequence, start: Efficiency = CPU_START, fields: Sequence[str] = CPU_FIELDS,
