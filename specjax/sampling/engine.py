@@ -336,6 +336,7 @@ class _Run:
         pad = np.arange(new) >= live
         state, bucket = _take_jit(state, jnp.asarray(idx), jnp.asarray(pad)), new
         live_mask, seq_lengths = live_mask[idx] & ~pad, seq_lengths[idx] * ~pad
+        tokens_before = jax.device_get(_summary(state)[2])  # of the rows now in the bucket
       longest = int(seq_lengths.max())
       k, expected = self.choose_k(state, bucket, live, longest)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
