@@ -26,19 +26,62 @@ def one_of(value: Any, allowed: Iterable[Any], where: str) -> None:
   check(value in allowed, where, f"must be one of {allowed}, got {value!r}")
 
 
+def _type_name(tp: Any) -> str:
+  return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _refuse(value: Any, expected: str, where: str) -> None:
+  raise ValueError(f"{where}: expected {expected}, got {value!r} ({type(value).__name__})")
+
+
 def _convert(tp: Any, value: Any, where: str) -> Any:
+  """`value` as a field of type `tp`, strictly: an int field refuses 2.5 and "three", a bool
+  refuses "no" and 1, a str refuses 3; a float takes ints and numeric strings (YAML 1.1 reads
+  `1e-3` as a string). Errors name the field (`where`)."""
   origin = typing.get_origin(tp)
   if dataclasses.is_dataclass(tp):
     return from_dict(tp, value, where)
   if origin in (typing.Union, types.UnionType):
     args = [a for a in typing.get_args(tp) if a is not type(None)]
     if value is None:
+      if len(args) == len(typing.get_args(tp)):
+        _refuse(value, " or ".join(map(_type_name, args)), where)
       return None
     return _convert(args[0], value, where) if len(args) == 1 else value
-  if origin is tuple and isinstance(value, (list, tuple)):
-    return tuple(value)
-  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+  if origin is typing.Literal:
+    one_of(value, typing.get_args(tp), where)
+    return value
+  if tp is bool:
+    if not isinstance(value, bool):
+      _refuse(value, "a bool (true or false)", where)
+    return value
+  if tp is int:
+    if isinstance(value, bool) or not isinstance(value, int):
+      _refuse(value, "an int", where)
+    return value
+  if tp is float:
+    if isinstance(value, str):
+      try:
+        return float(value)
+      except ValueError:
+        _refuse(value, "a float", where)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+      _refuse(value, "a float", where)
     return float(value)
+  if tp is str:
+    if not isinstance(value, str):
+      _refuse(value, "a string", where)
+    return value
+  if origin is tuple:
+    if not isinstance(value, (list, tuple)):
+      _refuse(value, f"a list ({_type_name(tp)})", where)
+    args = typing.get_args(tp)
+    if len(args) == 2 and args[1] is Ellipsis:
+      return tuple(_convert(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+    if args and len(args) != len(value):
+      _refuse(value, f"a list of {len(args)} values ({_type_name(tp)})", where)
+    return tuple(_convert(a, v, f"{where}[{i}]") for i, (a, v) in enumerate(zip(args, value))) \
+        if args else tuple(value)
   return value
 
 
@@ -76,9 +119,18 @@ def apply_yaml(cfg: T, yaml_path: str, where: str | None = None) -> T:
   import yaml
 
   with open(yaml_path) as f:
-    data = yaml.safe_load(f) or {}
+    try:
+      data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+      raise ValueError(f"{yaml_path}: not valid YAML ({e})") from None
   cls = type(cfg)
-  return from_dict(cls, merge(dataclasses.asdict(cfg), data, where or cls.__name__))
+  where = where or f"{yaml_path}: {cls.__name__}"
+  try:
+    return from_dict(cls, merge(dataclasses.asdict(cfg), data, where), where)
+  except ValueError as e:  # a range check in __post_init__ names the field, not the file
+    if str(e).startswith(f"{yaml_path}:"):
+      raise
+    raise ValueError(f"{yaml_path}: {e}") from None
 
 
 def apply_cli(cfg: T, args: Sequence[str], **tyro_kw: Any) -> T:

@@ -13,7 +13,8 @@ from flax import nnx
 from specjax.eagle.head import init_head
 from specjax.eagle.vocab import identity_maps
 from specjax.models import Decoder, ModelConfig
-from specjax.rl.checkpoint import Checkpointer
+from specjax.rl.checkpoint import (CheckpointExists, CheckpointMismatch, Checkpointer,
+                                   NonFiniteState, run_identity)
 from specjax.rl.config import DraftConfig, RLConfig
 from specjax.rl.train_step import Trainer
 from specjax.sharding import MeshConfig, make_mesh
@@ -45,7 +46,6 @@ def test_the_whole_train_state_rng_and_data_position_round_trip(tmp_path):
   state = _state(3)
   key = jax.random.PRNGKey(42)
   assert ckpt.save(5, state, rng=key, data_position=40, extra={"note": "x"})
-  assert not ckpt.save(5, state, rng=key, data_position=40)  # an existing step is left alone
   restored, meta = ckpt.restore(_state(0))
   _assert_same(restored, state)
   assert meta["step"] == 5 and meta["data_position"] == 40 and meta["extra"] == {"note": "x"}
@@ -102,6 +102,8 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     restored, meta = ckpt.restore(_state(0))
   assert meta["step"] == 1
   _assert_same(restored, older)
+  # the damaged step was moved aside: the resumed run saves that step again
+  assert ckpt.save(2, newer, rng=jax.random.PRNGKey(2), data_position=16)
   ckpt.close()
 
 
@@ -126,3 +128,39 @@ def test_restore_places_arrays_with_the_template_shardings(tmp_path):
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(template)):
     assert got.sharding == want.sharding
   ckpt.close()
+
+
+def test_a_save_never_skips_an_existing_step_nor_writes_a_non_finite_state(tmp_path):
+  ckpt = Checkpointer(str(tmp_path))
+  ckpt.save(1, _state(1), rng=jax.random.PRNGKey(1), data_position=8)
+  with pytest.raises(CheckpointExists, match=f"checkpoint 1 already exists in {tmp_path}"):
+    ckpt.save(1, _state(2), rng=jax.random.PRNGKey(1), data_position=8)
+  bad = _state(2)
+  bad = bad.replace(params=jax.tree.map(lambda x: x.at[(0,) * x.ndim].set(jnp.nan)
+                                        if x.dtype == jnp.float32 else x, bad.params))
+  with pytest.raises(NonFiniteState, match="refusing to checkpoint step 2.*non-finite"):
+    ckpt.save(2, bad, rng=jax.random.PRNGKey(2), data_position=16)
+  assert ckpt.steps() == [1]
+  restored, _ = ckpt.restore(_state(0))
+  _assert_same(restored, _state(1))
+  ckpt.close()
+
+
+def test_a_checkpoint_carries_its_run_identity_and_another_run_is_refused(tmp_path):
+  ar = run_identity(CFG.replace(draft=DraftConfig(kind="none")))
+  spec = run_identity(CFG)
+  assert ar["digest"] != spec["digest"]
+  # where it is saved, logged or validated, and how long it runs, do not change a trajectory
+  assert run_identity(CFG.replace(steps=7, log_dir="x", progress=False))["digest"] == \
+      spec["digest"]
+  ckpt = Checkpointer(str(tmp_path), identity=spec)
+  ckpt.save(1, _state(1), rng=jax.random.PRNGKey(1), data_position=8)
+  ckpt.close()
+  other = Checkpointer(str(tmp_path), identity=ar)
+  with pytest.raises(CheckpointMismatch, match=r"belongs to another run .*draft.kind: "
+                                                r"'eagle3' -> 'none'"):
+    other.restore(_state(0))
+  other.close()
+  same = Checkpointer(str(tmp_path), identity=spec)
+  assert same.restore(_state(0))[1]["identity"]["digest"] == spec["digest"]
+  same.close()

@@ -1,7 +1,8 @@
 """The report of an AR-vs-speculative experiment: summary.json, three PNG plots and a short table.
 
-Timings exclude the first step (compilation) where a run has more than one step; the agreement
-of the two runs' validation accuracy is checked with a two-proportion z-test.
+Timings exclude compile steps (the first step of every process segment, marked
+"perf/compile_step" by the loop: a resumed run compiles again) where a run has other steps; the
+agreement of the two runs' validation accuracy is checked with a two-proportion z-test.
 """
 
 from __future__ import annotations
@@ -24,8 +25,15 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
   return [p[0] for p in pts], [float(p[1]) for p in pts]
 
 
-def _mean_after_first(values: list[float]) -> float:
-  v = values[1:] if len(values) > 1 else values
+def _is_compile_step(records: list[dict], i: int) -> bool:
+  """Marked by the loop; records written before the mark existed: the first one only."""
+  r = records[i]
+  return bool(r["perf/compile_step"]) if "perf/compile_step" in r else i == 0
+
+
+def _mean_after_compile(values: list[float], compile_mask: list[bool]) -> float:
+  """Mean over the steps that did not compile (all of them when every step compiled)."""
+  v = [x for x, c in zip(values, compile_mask) if not c] or values
   return float(np.mean(v)) if v else float("nan")
 
 
@@ -41,18 +49,21 @@ def two_proportion_test(k1: int, n1: int, k2: int, n2: int) -> dict[str, float]:
 
 def run_stats(records: list[dict]) -> dict[str, Any]:
   steps = [r for r in records if "time/step" in r]
+  compiled = [_is_compile_step(steps, i) for i in range(len(steps))]
   gen = [r.get("time/gen", 0.0) for r in steps]
   step = [r["time/step"] for r in steps]
   _, acc_len = _series(records, "spec/acceptance_length")
   val_steps, val_acc = _series(records, "val/accuracy")
   names = [k[len("time/"):] for k in (steps[0] if steps else {}) if k.startswith("time/")
            and k != "time/step"]
-  phases = {k: _mean_after_first([r.get(f"time/{k}", 0.0) for r in steps]) for k in names}
+  phases = {k: _mean_after_compile([r.get(f"time/{k}", 0.0) for r in steps], compiled)
+            for k in names}
   total_phase = sum(phases.values()) or 1.0
   return {
       "steps": len(steps),
-      "rollout_time_s": _mean_after_first(gen),  # per step, compile excluded
-      "step_time_s": _mean_after_first(step),
+      "rollout_time_s": _mean_after_compile(gen, compiled),  # per step, compile excluded
+      "step_time_s": _mean_after_compile(step, compiled),
+      "compile_steps": [r["step"] for r, c in zip(steps, compiled) if c],
       "rollout_time_total_s": float(np.sum(gen)),
       "step_time_total_s": float(np.sum(step)),
       "first_step_s": float(step[0]) if step else float("nan"),
@@ -150,7 +161,8 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
   summary: dict[str, Any] = {
       "name": cfg.name, "wall_time_s": wall_s, "initial_validation": initial or {},
       "runs": stats, "config": dataclasses.asdict(cfg),
-      "notes": ("times are means per step after the first (compilation) step; "
+      "notes": ("times are means per step without the compile steps (the first step of every "
+                "process segment: a resumed run compiles again); "
                 "speedup = AR time / speculative time"),
   }
   if "ar" in stats and "spec" in stats:

@@ -3,10 +3,16 @@ RNG key and data position; atomic writes (orbax's tmp dir + rename), the last N 
 
 The state is stored as a flat list of arrays plus its tree paths (checked on restore), so any
 pytree (nnx.State, optax states) round-trips; restore places arrays with the template's shardings.
+Each checkpoint carries its run's identity (the configuration that determines the trajectory and
+its digest): a run refuses another run's checkpoints. A save never skips: saving a step that
+already exists is an error (`CheckpointExists`), and a state with a non-finite value is refused
+(`NonFiniteState`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import time
@@ -19,8 +25,70 @@ import numpy as np
 COMMITTED_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it last into a finalized step dir
 
 
+# RLConfig fields that do not change the trajectory of a run: where and how often it is saved,
+# logged and validated, how long it runs (see `run_identity` for the schedules) and the mesh
+RUN_IDENTITY_EXCLUDES = ("checkpoint", "validation", "log_dir", "progress", "tensorboard", "mesh",
+                         "use_mesh", "steps")
+
+
 class CheckpointMismatch(ValueError):
-  """The checkpoint holds a differently structured train state (another model/draft/optimizer)."""
+  """The checkpoint holds a differently structured train state (another model/draft/optimizer),
+  or belongs to another run (a different trajectory-determining configuration)."""
+
+
+class CheckpointExists(ValueError):
+  """A checkpoint of this step is already in the directory; saves never skip or overwrite."""
+
+
+class NonFiniteState(ValueError):
+  """The train state to save holds NaN or infinite values; such a state is never checkpointed."""
+
+
+def _plain_json(x: Any) -> Any:
+  return json.loads(json.dumps(x, sort_keys=True, default=str))
+
+
+def run_identity(cfg: Any, **extra: Any) -> dict:
+  """The identity of a run: the fields of its config (a dataclass) that determine its trajectory
+  plus `extra` (e.g. the async config), and their digest. `steps` is left out on purpose: a run
+  may be extended on resume (its learning-rate schedules then span the new total)."""
+  config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_IDENTITY_EXCLUDES}
+  config.update(extra)
+  config = _plain_json(config)
+  digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
+  return {"digest": digest, "config": config}
+
+
+def _flat_dict(d: Any, prefix: str = "") -> dict[str, Any]:
+  if not isinstance(d, dict):
+    return {prefix: d}
+  out = {}
+  for k, v in d.items():
+    out.update(_flat_dict(v, f"{prefix}.{k}" if prefix else str(k)))
+  return out
+
+
+def identity_diff(saved: dict, current: dict, limit: int = 5) -> str:
+  """The first differing fields of two run identities, as `field: saved -> current`."""
+  a, b = _flat_dict(saved.get("config", {})), _flat_dict(current.get("config", {}))
+  diffs = [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+           for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+  more = f" (+{len(diffs) - limit} more)" if len(diffs) > limit else ""
+  return "; ".join(diffs[:limit]) + more
+
+
+def nonfinite_leaves(tree: Any, limit: int = 3) -> list[str]:
+  """Tree paths of floating-point leaves that hold NaN or infinite values (at most `limit`)."""
+  import jax.numpy as jnp
+
+  bad = []
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact) and \
+        not bool(jnp.isfinite(x).all()):
+      bad.append(jax.tree_util.keystr(path))
+      if len(bad) >= limit:
+        break
+  return bad
 
 
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
@@ -31,10 +99,12 @@ def _flat(tree: Any) -> tuple[list[str], list[Any]]:
 class Checkpointer:
   """Periodic/exit checkpoints of one run directory; resumes from the newest good checkpoint."""
 
-  def __init__(self, directory: str, keep: int = 3):
+  def __init__(self, directory: str, keep: int = 3, identity: dict | None = None):
+    """`identity` (`run_identity`) is written into every checkpoint and checked on restore."""
     import orbax.checkpoint as ocp
 
     self.ocp = ocp
+    self.identity = identity
     self.directory = os.path.abspath(directory)
     os.makedirs(self.directory, exist_ok=True)
     self._quarantine_incomplete()
@@ -51,15 +121,20 @@ class Checkpointer:
     d = os.path.join(self.directory, str(step))
     return all(os.path.exists(os.path.join(d, f)) for f in (COMMITTED_MARKER, "meta", "state"))
 
+  def _move_aside(self, step: int, why: str) -> str:
+    src = os.path.join(self.directory, str(step))
+    dst = os.path.join(self.directory, f"{why}-{step}-{int(time.time() * 1e3)}")
+    os.rename(src, dst)
+    return dst
+
   def _quarantine_incomplete(self) -> None:
     """Move step dirs that were never finalized (a crash while something wrote them) out of the
     way, so they neither shadow the last good checkpoint nor block a later save of that step."""
     for step in self._step_dirs():
       if not self._complete(step):
-        src = os.path.join(self.directory, str(step))
-        dst = os.path.join(self.directory, f"incomplete-{step}-{int(time.time() * 1e3)}")
-        warnings.warn(f"Checkpointer: step dir {src} is incomplete; moved to {dst}")
-        os.rename(src, dst)
+        dst = self._move_aside(step, "incomplete")
+        warnings.warn(f"Checkpointer: step dir {self.directory}/{step} is incomplete; moved to "
+                      f"{dst}")
 
   def steps(self) -> list[int]:
     return [s for s in self.manager.all_steps() if self._complete(s)]
@@ -71,14 +146,21 @@ class Checkpointer:
   # -- save / restore ------------------------------------------------------------------------
   def save(self, step: int, state: Any, *, rng: jax.Array, data_position: int,
            extra: dict | None = None) -> bool:
-    """Write checkpoint `step` (skipped if it already exists); blocks until it is committed."""
-    if step in self.manager.all_steps():
-      return False
+    """Write checkpoint `step`; blocks until it is committed. Raises `CheckpointExists` if the
+    directory already holds step `step` (callers save each step once: a save never skips), and
+    `NonFiniteState` if the state holds NaN or infinite values."""
+    if step in self.manager.all_steps() or os.path.exists(os.path.join(self.directory, str(step))):
+      raise CheckpointExists(f"checkpoint {step} already exists in {self.directory}; a save never "
+                             f"overwrites (is another run writing to this directory?)")
+    bad = nonfinite_leaves(state)
+    if bad:
+      raise NonFiniteState(f"refusing to checkpoint step {step} in {self.directory}: the train "
+                           f"state holds non-finite values (in {', '.join(bad)})")
     paths, leaves = _flat(state)
     arrays = {f"{i:06d}": x for i, x in enumerate(leaves)}
     meta = {"step": int(step), "data_position": int(data_position), "paths": paths,
             "rng": np.asarray(jax.device_get(rng)).tolist(), "time": time.time(),
-            "extra": json.loads(json.dumps(extra or {}, default=str))}
+            "extra": _plain_json(extra or {}), "identity": self.identity}
     args = self.ocp.args
     self.manager.save(step, args=args.Composite(state=args.StandardSave(arrays),
                                                 meta=args.JsonSave(meta)), force=True)
@@ -94,6 +176,16 @@ class Checkpointer:
 
     args = self.ocp.args
     meta = dict(self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"])
+    saved = meta.get("identity")
+    if self.identity is not None and saved is None:
+      warnings.warn(f"Checkpointer: checkpoint {step} in {self.directory} carries no run identity "
+                    f"(written before identities existed); restoring it unchecked")
+    elif self.identity is not None and saved["digest"] != self.identity["digest"]:
+      raise CheckpointMismatch(
+          f"checkpoint {step} in {self.directory} belongs to another run (config digest "
+          f"{saved['digest']}, this run {self.identity['digest']}; differing: "
+          f"{identity_diff(saved, self.identity)}); resume from that run's own checkpoint "
+          f"directory or start this run in a new one")
     if meta["paths"] != paths:
       diff = next((f"{a} != {b}" for a, b in zip(meta["paths"], paths) if a != b),
                   f"{len(meta['paths'])} leaves saved vs {len(paths)} in the template")
@@ -111,14 +203,22 @@ class Checkpointer:
     reported and skipped); None when there is none. `template` gives structure and shardings."""
     if step is not None:
       return self._restore_step(step, template)
+    damaged = []
     for s in sorted(self.steps(), reverse=True):
       try:
-        return self._restore_step(s, template)
+        out = self._restore_step(s, template)
       except CheckpointMismatch:
         raise
       except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to an older one
         warnings.warn(f"Checkpointer: checkpoint {s} in {self.directory} does not restore "
                       f"({type(e).__name__}: {e}); trying an older one")
+        damaged.append(s)
+        continue
+      # the run goes on from step s and will save those steps again: keep the damaged ones aside
+      for d in damaged:
+        warnings.warn(f"Checkpointer: damaged checkpoint {d} moved to {self._move_aside(d, 'damaged')}")
+      self.manager.reload()
+      return out
     return None
 
   def close(self) -> None:

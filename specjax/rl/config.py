@@ -218,6 +218,10 @@ class RLConfig:
   minibatches: int = 1  # optimizer steps per rollout batch (PPO-style; > 1 makes clipping bite)
   micro_batches: int = 1  # gradient accumulation inside each optimizer step
   seed: int = 0
+  # non-finite rewards, advantages, loss or gradients: the step is skipped (parameters unchanged,
+  # an event logged) and the run stops after this many bad steps in a row; 0: no skipping (the
+  # sync loop then donates the old state to the update, using less memory, and stops at once)
+  max_bad_steps: int = 3
   log_dir: str = ""  # "" -> <out_dir>
   progress: bool = True
   tensorboard: bool = True
@@ -229,6 +233,7 @@ class RLConfig:
            f"must be >= 1, got {self.prompts_per_step}")
     _check(self.minibatches >= 1, f"{w}.minibatches", f"must be >= 1, got {self.minibatches}")
     _check(self.micro_batches >= 1, f"{w}.micro_batches", f"must be >= 1, got {self.micro_batches}")
+    _check(self.max_bad_steps >= 0, f"{w}.max_bad_steps", f"must be >= 0, got {self.max_bad_steps}")
     _check(self.rollout_batch % (self.minibatches * self.micro_batches) == 0, f"{w}.micro_batches",
            f"minibatches * micro_batches must divide prompts_per_step * group_size = "
            f"{self.rollout_batch}, got {self.minibatches} * {self.micro_batches}")

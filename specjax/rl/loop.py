@@ -18,12 +18,14 @@ import numpy as np
 from flax import nnx
 
 from specjax.rl.batch import SEGMENT_LOG, build_train_batch, rollout_metrics
-from specjax.rl.checkpoint import Checkpointer
+from specjax.rl.checkpoint import CheckpointExists, Checkpointer, run_identity
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.metrics_log import MetricsLogger
+from specjax.rl.metrics_log import METRICS_FILE, MetricsLogger, truncate_metrics
 from specjax.rl.rollout import (RolloutEngine, acceptance_summary, build_drafter,
                                 decode_completions, pad_prompts, sequence_arrays)
+from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names,
+                               state_donated)
 from specjax.rl.tasks import Task, compute_rewards, make_task
 from specjax.rl.timing import PhaseTimer, format_summary
 from specjax.rl.train_step import Trainer, TrainState
@@ -84,7 +86,10 @@ def prompt_width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
 
 def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_position: int,
             timer: PhaseTimer) -> tuple[TrainState, dict, list[str]]:
-  """One synchronous RL step. Returns (new state, metrics, reward-function error messages)."""
+  """One synchronous RL step. Returns (new state, metrics, reward-function error messages).
+  Non-finite rewards, advantages, losses or gradients (named in metrics[NONFINITE_KEY]): the
+  update is skipped and the state returned unchanged (unless cfg.max_bad_steps == 0, where the
+  update is donated and the run stops)."""
   cfg = run.cfg
   g, n_prompts = cfg.grpo.group_size, cfg.prompts_per_step
   with timer.phase("data") as p:
@@ -104,19 +109,28 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
     rep = [e for e in examples for _ in range(g)]
     rewards = compute_rewards(run.task.score, texts, rep)
     adv = group_advantages(rewards.rewards, g, cfg.grpo.adv_mode, cfg.grpo.adv_eps)
+  bad = nonfinite_names(rewards=rewards.rewards, advantages=adv)
   with timer.phase("logprob") as p:
     tokens, mask, sampler_lp = sequence_arrays(rollout)
     # one optimizer step on this batch: old logprobs == the policy's own, no separate pass
     batch, mismatch = p.sync(build_train_batch(run.trainer, state, run.ref_params, tokens, mask,
                                                sampler_lp, adv, on_policy=cfg.minibatches == 1))
-  with timer.phase("train") as p:
-    state, train_metrics = run.trainer.train_on_batch(state, batch, donate=True)
-    p.sync((state, train_metrics))
+  train_metrics = {}
+  if not bad:
+    with timer.phase("train") as p:
+      new_state, train_metrics = run.trainer.train_on_batch(state, batch,
+                                                            donate=cfg.max_bad_steps == 0)
+      p.sync((new_state, train_metrics))
+    train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+    bad = nonfinite_names(**{k: v for k, v in train_metrics.items() if not k.startswith("lr/")})
+    state = new_state if not bad or cfg.max_bad_steps == 0 else state
   metrics = {
       **rollout_metrics(rollout, rewards, g, data_position + n_prompts, cut),
       **{k: float(v) for k, v in jax.device_get(mismatch).items()},
-      **{k: float(v) for k, v in jax.device_get(train_metrics).items()},
+      **train_metrics,
   }
+  if bad:
+    metrics[NONFINITE_KEY] = bad
   return state, metrics, rewards.errors
 
 
@@ -162,6 +176,12 @@ def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, er
     logger.log_event(completed, "reward_error", message=msg)
   for segment in metrics.pop(SEGMENT_LOG, ()):  # each choice of the rollout engine
     logger.log_event(completed, "engine_segment", **segment)
+  cut = int(metrics.get("data/prompts_cut", 0))
+  if cut:  # kept: the last max_prompt_len tokens; said out loud, not only as a metric
+    logger.log_event(completed, "prompts_cut", count=cut, max_prompt_len=run.prompt_width)
+    warnings.warn(f"step {completed}: {cut} prompt(s) longer than RolloutConfig.max_prompt_len="
+                  f"{run.prompt_width} were cut to their last {run.prompt_width} tokens; raise "
+                  f"--rl.rollout.max-prompt-len to keep them whole")
   if errors:
     warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
                   f"first: {errors[0]}")
@@ -178,24 +198,79 @@ def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, er
   return val
 
 
-def open_run(cfg: RLConfig, out_dir: str, state: TrainState):
+def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dict | None = None):
   """Checkpointer and metrics logger of a run, and where it starts: the state, step, data
-  position and RNG key of the newest good checkpoint when cfg.checkpoint.resume, else step 0.
-  Returns (ckpt, logger, state, start, data_position, base_key)."""
+  position and RNG key of the newest good checkpoint of this run (same `run_identity`) when
+  cfg.checkpoint.resume, else step 0 (a checkpoint dir with checkpoints is then an error).
+  metrics.jsonl is cut back to the start step, so every step is logged once. Returns (ckpt,
+  logger, state, start, data_position, base_key, pending): `pending` is the restored step whose
+  metrics were not written before the interruption (None mostly); the loop writes it first."""
   base_key = jax.random.PRNGKey(cfg.seed)
   ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
-                      keep=cfg.checkpoint.keep)
-  start, data_position = 0, 0
+                      keep=cfg.checkpoint.keep, identity=run_identity(cfg, **(identity_extra or {})))
+  start, data_position, pending = 0, 0, None
   if cfg.checkpoint.resume:
     restored = ckpt.restore(state)
     if restored is not None:
       state, meta = restored
       start, data_position = int(meta["step"]), int(meta["data_position"])
       base_key = jnp.asarray(meta["rng"], jnp.uint32)
-  logger = MetricsLogger(cfg.log_dir or out_dir, total_steps=cfg.steps, initial_step=start,
+      pending = PendingStep.from_json(meta["extra"].get("pending"))
+  elif ckpt.steps():
+    steps = ckpt.steps()
+    ckpt.close()
+    raise CheckpointExists(f"{ckpt.directory} holds checkpoints {steps} of an earlier run; set "
+                           f"CheckpointConfig.resume to continue it, or give this run its own "
+                           f"checkpoint directory")
+  log_dir = cfg.log_dir or out_dir
+  if jax.process_index() == 0:
+    keep_to = start - 1 if pending is not None else start
+    removed = truncate_metrics(os.path.join(log_dir, METRICS_FILE), keep_to)
+    if removed:
+      warnings.warn(f"{os.path.join(log_dir, METRICS_FILE)}: removed {removed} line(s) after "
+                    f"step {keep_to}, where this run {'resumes' if start else 'starts'}")
+  logger = MetricsLogger(log_dir, total_steps=cfg.steps, initial_step=start,
                          tensorboard=cfg.tensorboard, progress=cfg.progress,
                          enabled=jax.process_index() == 0)
-  return ckpt, logger, state, start, data_position, base_key
+  return ckpt, logger, state, start, data_position, base_key, pending
+
+
+def checkpoint_saver(ckpt: Checkpointer, start: int):
+  """`save(completed, state, rng, data_position, last, pending)` for the loops: each step is
+  saved once (an exit save right after a periodic one is not repeated); a step whose metrics are
+  pending is saved with them; a state donated to an interrupted update is not saved (warning)."""
+  saved = {"step": start}
+
+  def save(completed: int, state, rng, data_position: int, last: dict,
+           pending: PendingStep | None) -> None:
+    step, extra = completed, {"reward/mean": last.get("reward/mean")}
+    if pending is not None:
+      step, data_position = pending.step, pending.data_position
+      extra = {"reward/mean": pending.metrics.get("reward/mean"), "pending": pending.to_json()}
+    if step == saved["step"]:
+      return
+    if state_donated(state):
+      warnings.warn(f"no checkpoint of step {step}: its state was donated to an update that was "
+                    f"interrupted; the run resumes from checkpoint {ckpt.latest_step()}")
+      return
+    ckpt.save(step, state, rng=rng, data_position=data_position, extra=extra)
+    saved["step"] = step
+
+  return save
+
+
+def write_pending(run: RLRun, state: TrainState, pending: PendingStep, logger: MetricsLogger,
+                  base_key: jax.Array, hooks: Sequence[Hook], validation_hooks: Sequence[Hook],
+                  guard: NonFiniteGuard) -> dict:
+  """Finish a restored step whose metrics were not written: validate (same params and key as
+  before the interruption), log, guard, hooks. Returns its metrics."""
+  metrics = dict(pending.metrics)
+  finish_step(run, state, pending.step, metrics, pending.errors, logger, base_key, (),
+              validation_hooks)
+  guard.update(pending.step, metrics.get(NONFINITE_KEY, []), logger)
+  for hook in hooks:
+    hook(pending.step, metrics)
+  return metrics
 
 
 def close_run(cfg: RLConfig, ckpt: Checkpointer, logger: MetricsLogger, save: Callable[[], None],
@@ -226,29 +301,36 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
   final train state ("state")."""
   os.makedirs(out_dir, exist_ok=True)
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
-  ckpt, logger, state, start, data_position, base_key = open_run(cfg, out_dir, state)
-  timer = PhaseTimer()
+  ckpt, logger, state, start, data_position, base_key, pending = open_run(cfg, out_dir, state)
+  timer, guard = PhaseTimer(), NonFiniteGuard(cfg.max_bad_steps)
   completed, last, last_val = start, {}, {}
+  saver = checkpoint_saver(ckpt, start)
 
   def save() -> None:
-    ckpt.save(completed, state, rng=base_key, data_position=data_position,
-              extra={"reward/mean": last.get("reward/mean")})
+    saver(completed, state, base_key, data_position, last, pending)
 
   try:
+    if pending is not None:  # restored with its metrics unwritten: write them first
+      last, pending = write_pending(run, state, pending, logger, base_key, hooks,
+                                    validation_hooks, guard), None
     end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
     for step in range(start, end):
       state, metrics, errors = rl_step(run, state, step, jax.random.fold_in(base_key, step),
                                        data_position, timer)
-      completed, data_position = step + 1, data_position + cfg.prompts_per_step
       metrics.update(timer.end_step())
       metrics["perf/gen_tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
-      last_val = finish_step(run, state, completed, metrics, errors, logger, base_key, hooks,
+      # the step counts as done once its metrics are written (validation may be interrupted)
+      pending = PendingStep(step + 1, data_position + cfg.prompts_per_step, dict(metrics), errors)
+      last_val = finish_step(run, state, pending.step, metrics, errors, logger, base_key, (),
                              validation_hooks) or last_val
-      last = metrics
+      completed, data_position, pending, last = pending.step, pending.data_position, None, metrics
+      guard.update(completed, metrics.get(NONFINITE_KEY, []), logger)
+      for hook in hooks:
+        hook(completed, metrics)
       if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
         save()
   except BaseException:
-    close_run(cfg, ckpt, logger, save, completed > start, failed=True)
+    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True)
     raise
   close_run(cfg, ckpt, logger, save, completed > start, failed=False)
   phases = timer.summary()

@@ -62,6 +62,33 @@ def append_jsonl(path: str, record: dict) -> None:
     os.close(fd)
 
 
+def truncate_metrics(path: str, last_step: int) -> int:
+  """Cut a metrics JSONL back to the records (and events) of steps <= `last_step`, atomically
+  (a new file renamed over the old one): a resumed run then logs every later step exactly once.
+  Returns the number of lines removed."""
+  if not os.path.exists(path):
+    return 0
+  keep, removed = [], 0
+  with open(path, "rb") as f:
+    for raw in f:
+      try:
+        ok = raw.endswith(b"\n") and int(json.loads(raw).get("step", 0)) <= last_step
+      except ValueError:
+        ok = False  # a torn or corrupt line
+      if ok:
+        keep.append(raw)
+      elif raw.strip():
+        removed += 1
+  if removed:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+      f.writelines(keep)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  return removed
+
+
 def read_metrics(path: str, dedupe: bool = True, events: bool = False) -> list[dict]:
   """Per-step records of a metrics JSONL (or, with `events`, the event records); a torn or corrupt
   line is skipped with a warning. With `dedupe`, a step logged twice (a run resumed from an

@@ -47,10 +47,13 @@ class PhaseTimer:
       dt = time.perf_counter() - t0
       self.step_times[name] = self.step_times.get(name, 0.0) + dt
 
-  def end_step(self) -> dict[str, float]:
-    """This step's times ("time/<phase>", "time/step") and reset for the next step."""
-    out = {f"time/{k}": v for k, v in self.step_times.items()}
+  def end_step(self) -> dict[str, Any]:
+    """This step's times ("time/<phase>", "time/step") and reset for the next step;
+    "perf/compile_step" marks the first step of this timer (of this process: a resumed run's
+    first step compiles again), which reports leave out of their timings."""
+    out: dict[str, Any] = {f"time/{k}": v for k, v in self.step_times.items()}
     out["time/step"] = sum(self.step_times.values())
+    out["perf/compile_step"] = self.steps == 0
     for k, v in self.step_times.items():
       self.totals[k] += v
     if self.steps == 0:

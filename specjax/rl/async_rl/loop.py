@@ -18,9 +18,10 @@ from specjax.rl.async_rl.worker import RolloutBatch, RolloutWorker
 from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.loop import (Hook, RLRun, close_run, finish_step, open_run, prompt_width,
-                             setup_run)
+from specjax.rl.loop import (Hook, RLRun, checkpoint_saver, close_run, finish_step, open_run,
+                             prompt_width, setup_run, write_pending)
 from specjax.rl.rollout import RolloutEngine, decode_completions, pad_prompts, sequence_arrays
+from specjax.rl.safety import NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
 from specjax.rl.timing import PhaseTimer, format_summary
 from specjax.rl.train_step import TrainBatch, Trainer, TrainState
@@ -162,22 +163,28 @@ def async_step(run: RLRun, async_cfg: AsyncConfig, state: TrainState, step: int,
   scored: ScoredRollout = item.payload
   with timer.phase("logprob") as p:
     batch, extra = p.sync(train_batch(run, async_cfg, state, scored))
+  bad = nonfinite_names(rewards=scored.rewards.rewards, advantages=batch.advantages)
   with timer.phase("train") as p:
     # RLConfig.minibatches optimizer steps, as in the sync loop (the schedules span them all);
     # no donation: the weight push may alias the state's buffers
-    state, train_metrics = p.sync(run.trainer.train_on_batch(state, batch))
+    new_state, train_metrics = p.sync(run.trainer.train_on_batch(state, batch))
+  train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
+  bad += nonfinite_names(**{k: v for k, v in train_metrics.items() if not k.startswith("lr/")})
+  if not bad or run.cfg.max_bad_steps == 0:  # a bad step keeps the previous state
+    state = new_state
   if step + 1 < run.cfg.steps:
     with timer.phase("weight_sync") as p:
       gen_params = p.sync(push(state))
     worker.publish(step + 1, gen_params)
   metrics = {**scored.metrics,
              **{k: float(v) for k, v in jax.device_get(extra).items()},
-             **{k: float(v) for k, v in jax.device_get(train_metrics).items()},
-             "time/weight_sync": 0.0, **timer.end_step(),
+             **train_metrics, "time/weight_sync": 0.0, **timer.end_step(),
              **{f"time/{k}": v for k, v in scored.times.items()},
              "time/worker_wait": item.wait_s, "async/batch_index": item.index,
              "async/version": item.version, "async/version_gap": gap,
              "async/queue_depth": worker.queue.qsize()}
+  if bad:
+    metrics[NONFINITE_KEY] = bad
   return state, metrics, scored.rewards.errors
 
 
@@ -207,8 +214,12 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   os.makedirs(out_dir, exist_ok=True)
   run, state, engine, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
                                              draft_maps=draft_maps, devices=devices)
-  ckpt, logger, state, start, data_position, base_key = open_run(cfg, out_dir, state)
+  identity = {"async": {k: getattr(async_cfg, k) for k in ("policy_lag", "is_correction",
+                                                          "is_clip")}}
+  ckpt, logger, state, start, data_position, base_key, pending = open_run(cfg, out_dir, state,
+                                                                          identity)
   timer, worker_times = PhaseTimer(), {k: [] for k in WORKER_PHASES}
+  guard, saver = NonFiniteGuard(cfg.max_bad_steps), checkpoint_saver(ckpt, start)
   completed, last, last_val, gaps = start, {}, {}, []
   push = WeightPush(run.trainer, engine, gen_mesh)
   produce = make_producer(run, engine, gen_mesh, base_key, start, data_position)
@@ -216,26 +227,32 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
                          policy_lag=async_cfg.policy_lag, queue_size=async_cfg.queue_size)
 
   def save() -> None:
-    ckpt.save(completed, state, rng=base_key, data_position=data_position,
-              extra={"reward/mean": last.get("reward/mean")})
+    saver(completed, state, base_key, data_position, last, pending)
 
   try:
+    if pending is not None:  # restored with its metrics unwritten: write them first
+      last, pending = write_pending(run, state, pending, logger, base_key, hooks,
+                                    validation_hooks, guard), None
     initial_push = _timed(lambda: push(state))
     worker.start(start, initial_push[0])
     for step in range(start, cfg.steps):
       state, metrics, errors = async_step(run, async_cfg, state, step, worker, push, timer)
-      completed, data_position = step + 1, data_position + cfg.prompts_per_step
       for k in WORKER_PHASES:
         worker_times[k].append(metrics[f"time/{k}"])
       gaps.append(metrics["async/version_gap"])
-      last_val = finish_step(run, state, completed, metrics, errors, logger, base_key, hooks,
+      # the step counts as done once its metrics are written (validation may be interrupted)
+      pending = PendingStep(step + 1, data_position + cfg.prompts_per_step, dict(metrics), errors)
+      last_val = finish_step(run, state, pending.step, metrics, errors, logger, base_key, (),
                              validation_hooks) or last_val
-      last = metrics
+      completed, data_position, pending, last = pending.step, pending.data_position, None, metrics
+      guard.update(completed, metrics.get(NONFINITE_KEY, []), logger)
+      for hook in hooks:
+        hook(completed, metrics)
       if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
         save()
   except BaseException:
     worker.close(async_cfg.shutdown_timeout_s)
-    close_run(cfg, ckpt, logger, save, completed > start, failed=True)
+    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True)
     raise
   worker.close(async_cfg.shutdown_timeout_s)
   close_run(cfg, ckpt, logger, save, completed > start, failed=False)

@@ -1,0 +1,71 @@
+"""Every config field is strictly typed from YAML and from the CLI: a wrong type is an error that
+names the field (and the file), never a value silently taken."""
+
+import pytest
+
+from specjax.config_tree import parse_args
+from specjax.experiment.driver import ExperimentConfig
+from specjax.rl.config import RLConfig, load_config
+
+
+def _yaml(tmp_path, text):
+  path = tmp_path / "cfg.yaml"
+  path.write_text(text)
+  return str(path)
+
+
+@pytest.mark.parametrize("text, field, shown", [
+    ("grpo:\n  group_size: 2.5\n", "RLConfig.grpo.group_size", "expected an int, got 2.5"),
+    ("steps: three\n", "RLConfig.steps", "expected an int, got 'three'"),
+    ("steps: true\n", "RLConfig.steps", "expected an int, got True"),
+    ("draft:\n  online: \"no\"\n", "RLConfig.draft.online", "expected a bool"),
+    ("draft:\n  online: 1\n", "RLConfig.draft.online", "expected a bool"),
+    ("policy_optim:\n  lr: fast\n", "RLConfig.policy_optim.lr", "expected a float"),
+    ("task:\n  path: 3\n", "RLConfig.task.path", "expected a string"),
+    ("model:\n  aux_layers: [0, 1.5, 1]\n", "RLConfig.model.aux_layers[1]", "expected an int"),
+])
+def test_a_yaml_value_of_the_wrong_type_names_the_file_and_the_field(tmp_path, text, field,
+                                                                      shown):
+  path = _yaml(tmp_path, text)
+  with pytest.raises(ValueError) as e:
+    load_config(path)
+  assert str(e.value).startswith(f"{path}: {field}: {shown}"), str(e.value)
+
+
+def test_yaml_numbers_that_fit_are_taken():
+  # ints for float fields and YAML 1.1's string form of 1e-3 are floats; true/false are bools
+  import tempfile
+
+  with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+    f.write("policy_optim:\n  lr: 1e-3\n  clip_norm: 2\ndraft:\n  adaptive: false\n")
+  cfg = load_config(f.name)
+  assert cfg.policy_optim.lr == 1e-3 and isinstance(cfg.policy_optim.clip_norm, float)
+  assert cfg.draft.adaptive is False
+
+
+def test_a_range_error_in_yaml_names_the_file_too(tmp_path):
+  path = _yaml(tmp_path, "grpo:\n  group_size: 0\n")
+  with pytest.raises(ValueError, match=rf"^{path}: GRPOConfig.group_size: must be >= 1"):
+    load_config(path)
+
+
+def test_the_experiment_launcher_names_its_yaml_file_and_the_nested_field(tmp_path):
+  path = _yaml(tmp_path, "rl:\n  grpo:\n    group_size: 2.5\n")
+  with pytest.raises(ValueError, match=rf"^{path}: ExperimentConfig.rl.grpo.group_size: "
+                                       r"expected an int, got 2.5"):
+    parse_args(ExperimentConfig(), ["--config", path])
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--rl.steps", "2.5"], "--rl.steps"),
+    (["--rl.steps", "three"], "--rl.steps"),
+    (["--rl.grpo.group-size", "2.5"], "--rl.grpo.group-size"),
+    # bools are flags (--rl.draft.online / --rl.draft.no-online): a value after one is refused
+    (["--rl.draft.online", "no"], "Unrecognized options"),
+])
+def test_a_cli_value_of_the_wrong_type_is_refused_naming_the_flag(args, flag, capsys):
+  with pytest.raises(SystemExit) as e:
+    parse_args(ExperimentConfig(), args)
+  assert e.value.code != 0
+  err = capsys.readouterr()
+  assert flag in err.out + err.err
