@@ -18,10 +18,19 @@ from specjax.rl.config import (DraftConfig, GRPOConfig, OptimConfig, RLConfig, R
 
 
 def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:
-  """Base-model text: the task's prompts (a stream RL never uses) with mostly biased answers."""
+  """Base-model text: the task's prompts (a stream RL never uses) with mostly biased answers.
+  Tasks that write a scratchpad (`--rl.task.name chain`) get it, with the final answer one too
+  high (mod 10) with probability `bias`."""
   rng = np.random.default_rng(seed)
-  return [(e.prompt, biased_answer(e, rng, bias))
-          for e in task.examples(50_000_000 + 100_000 * seed, n)]
+  out = []
+  for e in task.examples(50_000_000 + 100_000 * seed, n):
+    if hasattr(task, "scratchpad"):
+      pad, answer = task.scratchpad(e).rsplit("#", 1)
+      wrong = rng.random() < bias
+      out.append((e.prompt, f"{pad}#{(int(answer) + 1) % 10 if wrong else answer}"))
+    else:
+      out.append((e.prompt, biased_answer(e, rng, bias)))
+  return out
 
 
 DEFAULTS = ExperimentConfig(
