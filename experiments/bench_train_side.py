@@ -100,7 +100,7 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as out:
     summary = run_rl(cfg, nnx.split(policy), tok, task, out_dir=out, verbose=False, hooks=[hook])
     with open(summary["metrics_path"]) as f:
-      records = [json.loads(line) for line in f]
+      records = [r for r in map(json.loads, f) if "gen/tokens" in r]  # steps, not events
   # medians over the steps after the first (which compiles)
   rows = records[1:] or records
   med = {ph: statistics.median(r.get(f"time/{ph}", 0.0) for r in rows) for ph in PHASES}

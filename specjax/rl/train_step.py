@@ -210,6 +210,8 @@ class Trainer:
   # -- state ---------------------------------------------------------------------------------
   def init_state(self, policy_params, draft_params=None, draft_aux=()) -> TrainState:
     params = {"policy": policy_params, "draft": draft_params if draft_params is not None else {}}
+    # buffers of its own: donated steps (`step(donate=True)`) must not delete the caller's arrays
+    params = jax.tree.map(jnp.copy, params)
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
                        opt_state=self.tx.init(params), draft_aux=draft_aux)
     return self.place(state)
