@@ -100,10 +100,10 @@ def test_rl_zero_runs_draft_model_and_mtp_on_the_embedded_default(kind, tmp_path
 def test_bad_paths_are_errors_that_name_the_field(tmp_path):
   with pytest.raises(FileNotFoundError, match="DraftConfig.path"):
     rl_zero.main(["--model-path", QWEN3, "--dataset", GSM8K, "--rl.draft.kind", "eagle3",
-                  "--rl.draft.path", str(tmp_path / "missing"), "--out-dir", str(tmp_path),
+                  "--rl.draft.path", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "a"),
                   *TINY])
   (tmp_path / "full").mkdir()
   (tmp_path / "full" / "x").write_text("")
   with pytest.raises(ValueError, match="ExperimentConfig.export_hf"):
     rl_zero.main(["--model-path", QWEN3, "--dataset", GSM8K, "--export-hf",
-                  str(tmp_path / "full"), "--out-dir", str(tmp_path), *TINY])
+                  str(tmp_path / "full"), "--out-dir", str(tmp_path / "b"), *TINY])
