@@ -19,6 +19,8 @@ import numpy as np
 from flax import nnx
 
 from specjax.config_tree import check, one_of, parse_args
+from specjax.experiment.run_dir import (Replacement, check_flags, check_model_dir, check_policy,
+                                        claim_run_dir, run_paths)
 from specjax.rl.async_rl.config import AsyncConfig
 from specjax.rl.config import RLConfig
 
@@ -73,8 +75,10 @@ class ExperimentConfig:
   name: str = "rl_zero"
   out_dir: str = "runs"  # the report goes to <out_dir>/<name>/
   cache_dir: str = ".cache/specjax"  # base policies and draft heads, keyed by their config
-  fresh: bool = False  # rebuild the cached base policy and draft head
-  resume: bool = False  # continue both runs from their last checkpoints instead of starting over
+  # an existing <out_dir>/<name> is refused unless one of these says what to do with it
+  fresh: bool = False  # start over: replace the earlier run (once the new one's checks pass) and
+  #                      rebuild the cached base policy and draft head
+  resume: bool = False  # continue both runs from their own last checkpoints
   model_path: str = ""  # a local Hugging Face checkpoint (skips base pretraining)
   dataset: str = ""  # a local math set (GSM8K or DAPO rows): JSON/JSONL/parquet or a datasets dir
   # the tokenizer's chat template: "" (the checkpoint's own; an error if it has none), "none"
@@ -375,25 +379,35 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
 
   t_start = time.perf_counter()
   out = os.path.join(cfg.out_dir, cfg.name)
-  os.makedirs(out, exist_ok=True)
+  check_flags(cfg)
+  claim_run_dir(out, resume=cfg.resume, fresh=cfg.fresh)
   check_export_dir(cfg)
+  if cfg.model_path:
+    check_model_dir(cfg.model_path)
   tokenizer = build_tokenizer(cfg)
   task = build_task(cfg, tokenizer)
   policy_dir = base_policy_dir(cfg, tokenizer, task, base_examples, finetune_examples, log=log)
+  check_model_dir(policy_dir)
   policy = load_base_policy(cfg, tokenizer, policy_dir, log=log)
+  check_policy(cfg, policy.cfg, tokenizer, cfg.model_path or policy_dir)
   offline = build_offline_draft(cfg, policy, tokenizer, task, policy_dir, log=log)
   policy, head, maps = offline.policy, offline.draft, offline.draft_maps
   initial = initial_validation(cfg, policy, tokenizer, task, log=log)
   results, final = {}, None
   modes = run_modes(cfg)
+  paths = {label: run_paths(out, label, rl_cfg) for label, rl_cfg in modes}
+  # every check passed: only now may --fresh move the earlier run aside (deleted at the end)
+  replaced = Replacement([out] + [d for p in paths.values()
+                                  for d in (p.checkpoint_dir, p.log_dir)], log) \
+      if cfg.fresh else None
+  os.makedirs(out, exist_ok=True)
   for i, (label, rl_cfg) in enumerate(modes):
-    run_dir = os.path.join(out, label)
-    if not cfg.resume:
-      shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir = paths[label].run_dir
     log(f"[rl:{label}] {rl_cfg.steps} GRPO steps, rollouts by "
         f"{'AR decoding' if label == 'ar' else f'{rl_cfg.draft.kind} K={rl_cfg.draft.draft_len}'}")
     rl_cfg = dataclasses.replace(
-        rl_cfg, checkpoint=dataclasses.replace(rl_cfg.checkpoint, resume=cfg.resume))
+        rl_cfg, log_dir=paths[label].log_dir, checkpoint=dataclasses.replace(
+            rl_cfg.checkpoint, resume=cfg.resume, dir=paths[label].checkpoint_dir))
     graphdef, params = nnx.split(policy)
     if i < len(modes) - 1:  # the train step donates its state: later runs need the originals
       params = jax.tree.map(jnp.copy, params)
@@ -415,7 +429,10 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
       log(f"[rl:{label}] trained {rl_cfg.draft.kind} draft (serving format) -> {saved}")
   if cfg.export_hf and final is not None:  # the last run: the speculative one, or the only one
     export_outputs(cfg, *final, log=log)
-  return write_report(cfg, out, results, wall_s=time.perf_counter() - t_start, initial=initial)
+  report = write_report(cfg, out, results, wall_s=time.perf_counter() - t_start, initial=initial)
+  if replaced is not None:
+    replaced.commit()
+  return report
 
 
 def check_export_dir(cfg: ExperimentConfig) -> None:
