@@ -82,6 +82,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   a = p.parse_args(argv)
   if a.quick:
     a.repeats = min(a.repeats, 2)
+    a.eagle_steps = min(a.eagle_steps, 60)
   return a
 
 
