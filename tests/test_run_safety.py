@@ -165,3 +165,39 @@ def test_report_timings_leave_out_the_compile_step_of_every_resumed_segment():
   # records from before the mark existed: the first step only
   old = [{"step": i, "time/step": t} for i, t in enumerate((4.0, 0.1, 0.3), 1)]
   assert run_stats(old)["step_time_s"] == pytest.approx(0.2)
+
+
+def test_prompts_longer_than_max_prompt_len_are_cut_with_a_warning_and_an_event(policy, tmp_path):
+  cfg = CFG.replace(steps=1, validation=ValidationConfig(),
+                    rollout=RolloutConfig(max_new_tokens=2, max_prompt_len=3))
+  with pytest.warns(UserWarning, match=r"step 1: 2 prompt\(s\) longer than "
+                                       r"RolloutConfig.max_prompt_len=3 were cut"):
+    run_rl(cfg, policy, TOK, out_dir=str(tmp_path), verbose=False)
+  (event,) = [e for e in read_metrics(str(tmp_path), events=True) if e["event"] == "prompts_cut"]
+  assert (event["step"], event["count"], event["max_prompt_len"]) == (1, 2, 3)
+
+
+def test_async_an_interrupted_validation_loses_no_step_and_the_resumed_run_matches(policy,
+                                                                                  tmp_path):
+  from specjax.rl.async_rl.config import AsyncConfig
+  from specjax.rl.async_rl.loop import run_rl_async
+
+  lockstep = AsyncConfig(policy_lag=0)  # resumes exactly (no queued batches to regenerate)
+  cfg = CFG.replace(steps=3)
+  run = lambda out, **kw: run_rl_async(cfg, lockstep, policy, TOK, out_dir=str(out),
+                                       verbose=False, devices=jax.devices()[:2], **kw)
+  full = run(tmp_path / "full")
+
+  def interrupt(step, val):
+    if step == 2:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    run(tmp_path / "split", validation_hooks=[interrupt])
+  resumed = run(tmp_path / "split")
+  assert resumed["start_step"] == 2
+  assert _raw_steps(resumed["metrics_path"]) == [1, 2, 3]
+  timing = ("async/queue_depth", "time/worker_wait", "gen/tokens_per_s")
+  strip = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in _strip_times(rs)]
+  assert strip(read_metrics(full["metrics_path"])) == strip(read_metrics(resumed["metrics_path"]))
+  _same_state(full["state"].params, resumed["state"].params)
