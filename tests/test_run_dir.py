@@ -114,7 +114,8 @@ def test_mesh_sizes_that_do_not_fit_the_model_or_the_batch_are_refused():
 
 
 @pytest.mark.slow
-def test_rl_zero_gives_each_run_its_checkpoints_refuses_a_rerun_and_fresh_waits_for_checks(tmp_path):
+def test_rl_zero_gives_each_run_its_checkpoints_refuses_a_rerun_and_fresh_waits_for_checks(
+    tmp_path):
   import rl_zero
 
   base = ["--out-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),

@@ -201,3 +201,13 @@ def test_async_an_interrupted_validation_loses_no_step_and_the_resumed_run_match
   strip = lambda rs: [{k: v for k, v in r.items() if k not in timing} for r in _strip_times(rs)]
   assert strip(read_metrics(full["metrics_path"])) == strip(read_metrics(resumed["metrics_path"]))
   _same_state(full["state"].params, resumed["state"].params)
+
+
+def test_with_max_bad_steps_zero_the_first_non_finite_step_stops_the_run(policy, tmp_path):
+  cfg = CFG.replace(steps=3, max_bad_steps=0, validation=ValidationConfig())
+  with pytest.raises(NonFiniteError, match=r"step 2: non-finite rewards.*max_bad_steps=0"):
+    run_rl(cfg, policy, TOK, NaNRewards(cfg.task, TOK), out_dir=str(tmp_path), verbose=False)
+  (event,) = [e for e in read_metrics(str(tmp_path), events=True)
+              if e["event"] == "nonfinite_step"]
+  assert (event["step"], event["update"]) == (2, "stopped")
+  assert Checkpointer(str(tmp_path / "checkpoints")).steps() == [2]

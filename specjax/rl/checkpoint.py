@@ -216,7 +216,8 @@ class Checkpointer:
         continue
       # the run goes on from step s and will save those steps again: keep the damaged ones aside
       for d in damaged:
-        warnings.warn(f"Checkpointer: damaged checkpoint {d} moved to {self._move_aside(d, 'damaged')}")
+        aside = self._move_aside(d, "damaged")
+        warnings.warn(f"Checkpointer: damaged checkpoint {d} moved to {aside}")
       self.manager.reload()
       return out
     return None

@@ -206,8 +206,9 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
   logger, state, start, data_position, base_key, pending): `pending` is the restored step whose
   metrics were not written before the interruption (None mostly); the loop writes it first."""
   base_key = jax.random.PRNGKey(cfg.seed)
+  identity = run_identity(cfg, **(identity_extra or {}))
   ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
-                      keep=cfg.checkpoint.keep, identity=run_identity(cfg, **(identity_extra or {})))
+                      keep=cfg.checkpoint.keep, identity=identity)
   start, data_position, pending = 0, 0, None
   if cfg.checkpoint.resume:
     restored = ckpt.restore(state)

@@ -50,9 +50,9 @@ class NonFiniteGuard:
     self.consecutive += 1
     limit = max(self.max_bad_steps, 1)
     stop = self.consecutive >= limit
-    skipped = self.max_bad_steps > 0
+    skipped = self.max_bad_steps > 0  # 0: the run stops at once, nothing to skip to
     logger.log_event(step, "nonfinite_step", values=bad, consecutive=self.consecutive,
-                     update="skipped" if skipped else "applied")
+                     update="skipped" if skipped else "stopped")
     msg = (f"step {step}: non-finite {', '.join(bad)}; "
            f"{'the update was skipped (parameters unchanged)' if skipped else 'no skipping'} "
            f"({self.consecutive} bad step(s) in a row, RLConfig.max_bad_steps="
