@@ -70,7 +70,9 @@ def run_stats(records: list[dict]) -> dict[str, Any]:
       "phase_mean_s": phases,
       "phase_fraction": {k: v / total_phase for k, v in phases.items()},
       "acceptance_length": acc_len,
-      "acceptance_length_mean": float(np.mean(acc_len)) if acc_len else None,
+      # steps where the adaptive engine drafted nothing have no acceptance length (nan)
+      "acceptance_length_mean": float(np.nanmean(acc_len)) if np.isfinite(acc_len).any()
+      else None,
       "train_reward": _series(records, "reward/mean")[1],
       "val_steps": val_steps,
       "val_accuracy": val_acc,
