@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.models.chunked import logprob_and_entropy
+
 if TYPE_CHECKING:
   from specjax.rl.config import GRPOConfig
 
@@ -157,10 +159,4 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
 def token_logprobs(logits: jax.Array, targets: jax.Array,
                    temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """(logprob of targets [B, T], entropy [B, T]) under softmax(logits / temperature)."""
-  x = logits.astype(jnp.float32)
-  if temperature > 0 and temperature != 1.0:
-    x = x / temperature
-  logp = jax.nn.log_softmax(x, axis=-1)
-  lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
-  entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-  return lp, entropy
+  return logprob_and_entropy(logits, targets, temperature)

@@ -8,6 +8,7 @@ generation dtype differs from the parameters' dtype.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -143,7 +144,7 @@ def segment_events(rollout: Rollout) -> list[dict]:
   return [{"bucket": s.bucket, "draft_len": s.draft_len, "window": s.window,
            "iterations": s.iterations, "live_rows": s.live_rows_start, "tokens": s.tokens,
            "seconds": round(s.seconds, 6), "tokens_per_s": round(s.tokens_per_s, 1),
-           "expected_tokens_per_s": None if s.expected_tokens_per_s != s.expected_tokens_per_s
+           "expected_tokens_per_s": None if math.isnan(s.expected_tokens_per_s)
            else round(s.expected_tokens_per_s, 1)} for s in rollout.segments]
 
 

@@ -322,8 +322,10 @@ class _Run:
     out, bucket, total_steps = state, batch, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
     last_k = {}
+    # one host round trip per segment: the summary after a segment is the next one's "before"
+    summary = jax.device_get(_summary(state))
     while True:
-      live_mask, seq_lengths, tokens_before, drafts0, acc0 = jax.device_get(_summary(state))
+      live_mask, seq_lengths, tokens_before, drafts0, acc0 = summary
       live = int(live_mask.sum())
       if live == 0:
         break
@@ -335,8 +337,8 @@ class _Run:
         idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
         pad = np.arange(new) >= live
         state, bucket = _take_jit(state, jnp.asarray(idx), jnp.asarray(pad)), new
-        live_mask, seq_lengths = live_mask[idx] & ~pad, seq_lengths[idx] * ~pad
-        tokens_before = jax.device_get(_summary(state)[2])  # of the rows now in the bucket
+        # token and acceptance counts now cover only the rows in the bucket
+        live_mask, seq_lengths, tokens_before, drafts0, acc0 = jax.device_get(_summary(state))
       longest = int(seq_lengths.max())
       k, expected = self.choose_k(state, bucket, live, longest)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
@@ -353,7 +355,8 @@ class _Run:
       t0 = time.perf_counter()
       state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
                                   bucket, k, window, max_iters, stop_at_live)
-      _, _, tokens_after, drafts1, acc1 = jax.device_get(_summary(state))
+      summary = jax.device_get(_summary(state))
+      _, _, tokens_after, drafts1, acc1 = summary
       seconds = time.perf_counter() - t0
       iters = int(iters)
       total_steps += iters

@@ -196,8 +196,9 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
   window, or `max_iters` steps ran. Returns (state, steps run)."""
   target = nnx.merge(graphdef, params)
   k, window = spec.draft_len, spec.window
-  if k > 0:
-    drafter = dataclasses.replace(drafter, draft_len=k)
+  if k > 0 and drafter.draft_len != k:
+    raise ValueError(f"run_segment: drafter.draft_len={drafter.draft_len} differs from the "
+                     f"segment's K={k}")
   step = ar_step if k == 0 else speculative_step
 
   def cond(carry):
