@@ -1,22 +1,31 @@
 """Rollout-engine benchmark on an RL-shaped workload: static loop vs live-batch compaction vs
-adaptive speculation, EAGLE-3 and n-gram drafters, plus a no-acceptance control.
+adaptive speculation, three drafters, plus a no-acceptance control.
 
-  python experiments/bench_engine.py --quick            # about 8 minutes on 2 CPU cores
-  python experiments/bench_engine.py                    # also sweeps the batch size
+  python experiments/bench_engine.py --quick            # draft model + EAGLE-3, one batch size
+  python experiments/bench_engine.py --quick --no-accept
+  python experiments/bench_engine.py                    # + n-gram, sweeps the batch size
 
-Workload: P prompts x G samples (GRPO groups), temperature 1, a random-weight target of ~29M
-parameters (hidden 512, 8 layers, vocab 8192: memory-bound decode at a small live batch on a CPU)
-with a peaked next-token distribution (init std 0.2, so an EAGLE-3 head can learn it). The
-end-of-sequence set is chosen from the target's own samples so that completion lengths are
-long-tailed (10th/50th/90th percentile near 10/25/100% of max_new_tokens), as in RL. The EAGLE-3
-head (reduced draft vocabulary) is trained offline on the target's rollouts (TTT loss).
+Workload: P prompts x G samples (GRPO groups), temperature 1, a 25.7M-parameter target (hidden 512,
+8 layers, vocab 512: memory-bound decode at a small live batch on a CPU) whose next-token
+distribution is learnable (`--target markov`): a synthetic language (a first-order Markov chain,
+each token followed by one of 4 tokens with probabilities 0.7/0.15/0.1/0.05, entropy 0.91 nats);
+the target's embedding dominates its residual stream (x25), its layers add a smaller
+context-dependent part (output projections x0.25), and its LM head is trained on the language
+(cross-entropy against the language's own next-token distribution, body frozen): a language model
+whose samples follow the language. Prompts come from the same language. `--target random` keeps
+an all-random target (no drafter learns it: its next token depends on the whole random context).
+The end-of-sequence set is chosen from the target's own samples so that completion lengths are
+long-tailed (10th/50th/90th percentile near 10/25/100% of max_new_tokens), as in RL.
 
-Arms (same prompts and keys): ar_static (plain full-batch loop), ar_compact (compaction + attention
-window), spec_static (fixed K=3, full batch, the old loop), spec_adaptive (compaction + window +
-K chosen per bucket); each for both drafters. --no-accept adds a target whose drafts are never
-accepted (init std 0.02: a near-uniform distribution) at batch 1, 8, 32: adaptivity must cost
-nothing there. Every arm runs once untimed (compiles, calibrates), then --repeats timed runs
-(median). Prints tables, writes JSON. Asserts nothing.
+Drafters: `draft_model` (a truncated copy of the target: its first --draft-layers layers with the
+shared embedding and head), `eagle3` (an EAGLE-3 head with a reduced draft vocabulary, trained
+offline on the target's rollouts by the TTT loss), `ngram` (prompt lookup). Arms (same prompts and
+keys): ar_static (the plain full-batch loop), ar_compact (live-batch compaction), then per drafter
+<d>_static (fixed K=3, full batch, the plain loop) and <d>_adaptive (compaction + K chosen per
+bucket); the first drafter's arms are named spec_static / spec_adaptive. --no-accept adds a
+random target (init std 0.02, near-uniform) whose n-gram drafts are never accepted, at batch 1, 8,
+32: adaptivity must cost nothing there. Every arm runs once untimed (compiles, calibrates), then
+--repeats timed runs (median). Prints tables, writes JSON. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from specjax.eagle import DraftTrainConfig, eagle3_drafter, train_draft_head  # noqa: E402
@@ -42,6 +52,7 @@ from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, NgramDrafter, SamplingConfig,  # noqa: E402
                               generate, speculative_generate)
 from specjax.sampling import engine as eng  # noqa: E402
+from specjax.sampling.draft_model import DraftModelDrafter, truncated_copy  # noqa: E402
 from specjax.sampling.engine import STATIC, EngineConfig  # noqa: E402
 
 
@@ -49,14 +60,22 @@ def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   p.add_argument("--quick", action="store_true", help="one batch size, fewer repeats")
-  m = p.add_argument_group("target (random weights)")
+  m = p.add_argument_group("target")
+  m.add_argument("--target", choices=["markov", "random"], default="markov",
+                 help="markov: LM head trained on a synthetic Markov language; random: all random")
+  m.add_argument("--head-fit-steps", type=int, default=200,
+                 help="markov: Adam steps of the LM head on the language")
+  m.add_argument("--embed-scale", type=float, default=25.0,
+                 help="markov: the embedding's scale over init (the token dominates the state)")
+  m.add_argument("--layer-scale", type=float, default=0.25,
+                 help="markov: scale of each layer's output projections (attention, MLP)")
   m.add_argument("--hidden", type=int, default=512)
   m.add_argument("--layers", type=int, default=8)
   m.add_argument("--heads", type=int, default=8)
   m.add_argument("--kv-heads", type=int, default=4)
   m.add_argument("--head-dim", type=int, default=64)
-  m.add_argument("--vocab", type=int, default=8192)
-  m.add_argument("--init-std", type=float, default=0.2)
+  m.add_argument("--vocab", type=int, default=512)
+  m.add_argument("--init-std", type=float, default=0.02)
   w = p.add_argument_group("workload")
   w.add_argument("--prompts", type=int, default=2, help="prompts per batch")
   w.add_argument("--group", type=int, default=4, help="samples per prompt (G)")
@@ -70,19 +89,26 @@ def parse_args(argv=None) -> argparse.Namespace:
   d = p.add_argument_group("drafters")
   d.add_argument("--static-k", type=int, default=3)
   d.add_argument("--max-draft-len", type=int, default=4)
-  d.add_argument("--draft-vocab", type=int, default=1024)
-  d.add_argument("--eagle-steps", type=int, default=150)
-  d.add_argument("--drafters", nargs="+", default=["eagle3", "ngram"],
-                 choices=["eagle3", "ngram"])
+  d.add_argument("--draft-vocab", type=int, default=256)
+  d.add_argument("--eagle-steps", type=int, default=80)
+  d.add_argument("--eagle-lr", type=float, default=5e-3)
+  d.add_argument("--drafters", nargs="+", default=["draft_model", "eagle3", "ngram"],
+                 choices=["draft_model", "eagle3", "ngram"],
+                 help="the first one's arms are named spec_*, the others' <drafter>_*")
+  d.add_argument("--draft-layers", type=int, default=1,
+                 help="draft_model: layers of the truncated copy of the target")
   p.add_argument("--no-accept", action="store_true", help="add the no-acceptance control")
+  p.add_argument("--no-accept-only", action="store_true", help="run the control alone")
   p.add_argument("--no-accept-batches", type=int, nargs="+", default=[1, 8, 32])
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench_engine.json")
   a = p.parse_args(argv)
   if a.quick:
-    a.repeats = min(a.repeats, 2)
-    a.eagle_steps = min(a.eagle_steps, 60)
+    a.repeats = min(a.repeats, 3)
+    a.eagle_steps = min(a.eagle_steps, 30)
+    if "--drafters" not in (argv if argv is not None else sys.argv):
+      a.drafters = ["draft_model", "eagle3"]
   return a
 
 
@@ -92,9 +118,70 @@ def model_config(a, init_std: float) -> ModelConfig:
                      mlp_hidden=3 * a.hidden, tie_embeddings=False, init_std=init_std)
 
 
+BRANCH_PROBS = np.array([0.7, 0.15, 0.1, 0.05])
+
+
+class MarkovLanguage:
+  """Token t + 1 is one of 4 successors of token t (ids >= 3), drawn with BRANCH_PROBS."""
+
+  def __init__(self, vocab: int, seed: int):
+    rng = np.random.default_rng(seed + 7)
+    n = len(BRANCH_PROBS)
+    self.successors = np.stack([rng.choice(vocab - 3, n, replace=False) + 3
+                                for _ in range(vocab)])
+    self.vocab = vocab
+
+  @property
+  def entropy(self) -> float:
+    return float(-(BRANCH_PROBS * np.log(BRANCH_PROBS)).sum())
+
+  def transition(self) -> np.ndarray:
+    """float32[V, V]: P(next | current)."""
+    p = np.zeros((self.vocab, self.vocab), np.float32)
+    np.put_along_axis(p, self.successors, BRANCH_PROBS[None].astype(np.float32), axis=1)
+    return p
+
+  def sample(self, rng, n: int, length: int) -> np.ndarray:
+    x = np.zeros((n, length), np.int64)
+    x[:, 0] = rng.integers(3, self.vocab, n)
+    for t in range(1, length):
+      x[:, t] = self.successors[x[:, t - 1], rng.choice(len(BRANCH_PROBS), n, p=BRANCH_PROBS)]
+    return x
+
+
+def fit_head(target, language: MarkovLanguage, rng, steps: int, log) -> float:
+  """Train the target's LM head on the language (cross-entropy on the frozen body's final
+  states, Adam); returns the final training loss (nats/token)."""
+  data = jnp.asarray(language.sample(rng, 128, 128), jnp.int32)
+  feats = jax.jit(lambda m, x: m.final_norm(m(x, compute_logits=False).hidden))(target, data)
+  x = feats.reshape(-1, feats.shape[-1])
+  # soft labels: the language's own next-token distribution (sampled labels would let the head
+  # memorise the sample through the context and drift from the language)
+  y = jnp.asarray(language.transition()[np.asarray(data).reshape(-1)])
+  opt = optax.adam(1e-2)
+
+  @jax.jit
+  def step(w, state):
+    loss, g = jax.value_and_grad(
+        lambda w: optax.softmax_cross_entropy(x @ w, y).mean())(w)
+    updates, state = opt.update(g, state)
+    return optax.apply_updates(w, updates), state, loss
+
+  w = target.lm_head[...]
+  state = opt.init(w)
+  for _ in range(steps):
+    w, state, loss = step(w, state)
+  target.lm_head[...] = w
+  log(f"LM head fitted to the language: {float(loss):.3f} nats/token after {steps} steps "
+      f"(the language's entropy: {language.entropy:.3f})")
+  return float(loss)
+
+
 def make_prompts(a, rng, n_prompts: int) -> tuple[jax.Array, jax.Array]:
-  """n_prompts ragged random prompts, each repeated G times (consecutive rows, as in GRPO)."""
-  toks = rng.integers(3, a.vocab, (n_prompts, a.prompt_len))
+  """n_prompts ragged prompts (from the language for a markov target, else random tokens), each
+  repeated G times (consecutive rows, as in GRPO)."""
+  toks = (a.language.sample(rng, n_prompts, a.prompt_len) if a.language is not None
+          else rng.integers(3, a.vocab, (n_prompts, a.prompt_len)))
   lens = rng.integers(a.prompt_len // 2, a.prompt_len + 1, n_prompts)
   toks = np.where(np.arange(a.prompt_len)[None] < lens[:, None], toks, 0)
   return (jnp.asarray(np.repeat(toks, a.group, 0), jnp.int32),
@@ -113,35 +200,40 @@ def choose_eos(a, target, rng) -> tuple[tuple[int, ...], dict]:
   for r in range(toks.shape[0]):
     for t in range(n - 1, -1, -1):
       first[r, toks[r, t]] = t + 1
-  order = np.argsort(-np.bincount(toks.ravel(), minlength=a.vocab))
-  eos, lengths = [], np.full(toks.shape[0], n)
-  for tok in order[:64]:
-    if np.median(lengths) <= a.median_frac * n:
-      break
-    eos.append(int(tok))
+  order = np.argsort(-np.bincount(toks.ravel(), minlength=a.vocab))[:256]
+  eos, lengths, goal = [], np.full(toks.shape[0], n), a.median_frac * n
+  while np.median(lengths) > goal and len(eos) < len(order):
+    # the token whose addition brings the median closest to the goal (rarer tokens end fewer rows)
+    gap = [abs(np.median(np.minimum(lengths, first[:, t])) - goal) if t not in eos else np.inf
+           for t in order]
+    tok = int(order[int(np.argmin(gap))])
+    eos.append(tok)
     lengths = np.minimum(lengths, first[:, tok])
   q = {f"p{p}": float(np.percentile(lengths, p) / n) for p in (10, 50, 90)}
   return tuple(eos), q
 
 
-def timed_runs(fn, repeats: int) -> tuple[list[float], object, int]:
+def timed_runs(fn, repeats: int) -> tuple[list[float], object, int, list[int]]:
   """Untimed first run (compile + calibration), then `repeats` timed runs. Returns (seconds of
-  the timed runs, last rollout, programs compiled during the timed runs)."""
+  the timed runs, last rollout, programs compiled during the timed runs, tokens of each run)."""
   jax.block_until_ready(fn(0).tokens)
   before = eng.compiled_programs()
-  times, out = [], None
+  times, out, tokens = [], None, []
   for i in range(repeats):
     t0 = time.perf_counter()
     out = fn(i + 1)
     jax.block_until_ready(out.tokens)
     times.append(time.perf_counter() - t0)
-  return times, out, eng.compiled_programs() - before
+    tokens.append(int(np.asarray(out.lengths).sum()))
+  return times, out, eng.compiled_programs() - before, tokens
 
 
-def arm_record(times, out, compiled) -> dict:
-  lengths = np.asarray(out.lengths)
+def arm_record(times, out, compiled, tokens) -> dict:
+  """Rollout seconds (median) and tokens/s over all timed runs: arms sample different (equally
+  distributed) completions, so a run's length varies; tokens/s is the steadier figure."""
   rec = {"rollout_s": statistics.median(times), "rollout_s_all": times,
-         "tokens": int(lengths.sum()), "forward_steps": int(out.num_steps),
+         "tokens": tokens[-1], "tokens_all": tokens,
+         "tokens_per_s": sum(tokens) / sum(times), "forward_steps": int(out.num_steps),
          "compiled_in_timed_runs": compiled, "acceptance_length": 1.0}
   if out.stats is not None:
     m = AcceptanceMetrics.from_counts(out.stats)
@@ -166,7 +258,7 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log)
                                        engine=EngineConfig(adaptive=False)),
   }
   for name, (drafter, params) in drafters.items():
-    prefix = "spec" if name == "eagle3" else name
+    prefix = "spec" if name == a.drafters[0] else name
     arms[f"{prefix}_static"] = lambda i, d=drafter, p=params: speculative_generate(
         target, d, p, prompts, lens, key(i), cfg, draft_len=a.static_k, engine=STATIC)
     arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params: speculative_generate(
@@ -177,7 +269,8 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log)
     t0 = time.perf_counter()
     rec = arm_record(*timed_runs(fn, a.repeats))
     out[name] = rec
-    log(f"  {name:18s} {rec['rollout_s']:7.3f} s  acc.len {rec['acceptance_length']:.2f}  "
+    log(f"  {name:18s} {rec['rollout_s']:7.3f} s  {rec['tokens_per_s']:7.1f} tok/s  "
+        f"acc.len {rec['acceptance_length']:.2f}  "
         f"K/bucket {rec['k_per_bucket']}  ({time.perf_counter() - t0:.0f} s with warm-up)")
   return out
 
@@ -189,6 +282,14 @@ def read_bandwidth() -> float:
   jax.block_until_ready(f(x))
   t = min(timed(lambda: jax.block_until_ready(f(x))) for _ in range(5))
   return x.nbytes / t / 1e9
+
+
+def machine() -> str:
+  return f"{platform.machine()} CPU, {os.cpu_count()} cores, jax {jax.__version__}"
+
+
+def command(argv) -> str:
+  return "python experiments/bench_engine.py " + " ".join(sys.argv[1:] if argv is None else argv)
 
 
 def timed(fn) -> float:
@@ -232,10 +333,29 @@ def main(argv=None) -> dict:
   a = parse_args(argv)
   log = lambda s: print(s, flush=True)
   t_start = time.perf_counter()
+  if a.no_accept_only:
+    summary = {"machine": machine(), "command": command(argv)}
+    summary.update(control(a, log))
+    finish(a, summary, t_start, log)
+    return summary
   cfg_m = model_config(a, a.init_std)
   target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
   rng = np.random.default_rng(a.seed)
-  log(f"target: {cfg_m.num_params() / 1e6:.1f}M parameters, float32")
+  log(f"target: {cfg_m.num_params() / 1e6:.1f}M parameters, float32, {a.target}")
+  a.language, head_fit = None, None
+  t0 = time.perf_counter()
+  if a.target == "markov":
+    if cfg_m.tie_embeddings:
+      raise ValueError("--target markov fits an untied LM head")
+    a.language = MarkovLanguage(a.vocab, a.seed)
+    # the token's embedding dominates the residual stream and each layer adds a smaller,
+    # context-dependent part: a language model whose next token mostly follows the language
+    target.embed[...] = target.embed[...] * a.embed_scale
+    for layer in target.layers:
+      layer.attn.o_proj[...] = layer.attn.o_proj[...] * a.layer_scale
+      layer.mlp.down[...] = layer.mlp.down[...] * a.layer_scale
+    head_fit = fit_head(target, a.language, rng, a.head_fit_steps, log)
+  fit_s = time.perf_counter() - t0
   eos, quantiles = choose_eos(a, target, rng)
   cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
   log(f"EOS set of {len(eos)} tokens; completion length quantiles / max_new (choice sample): "
@@ -247,6 +367,7 @@ def main(argv=None) -> dict:
     p_train, l_train = make_prompts(a, rng, 32)
     result = train_draft_head(target, p_train, l_train, sampling=cfg, progress=False,
                               config=DraftTrainConfig(steps=a.eagle_steps, batch_size=16,
+                                                      learning_rate=a.eagle_lr,
                                                       draft_vocab=min(a.draft_vocab, a.vocab),
                                                       seed=a.seed,
                                                       warmup_steps=10, rollout_batch=64))
@@ -258,6 +379,10 @@ def main(argv=None) -> dict:
         f"{result.history[-1].get('acc_0', float('nan')):.2f}")
   if "ngram" in a.drafters:
     drafters["ngram"] = (NgramDrafter(draft_len=a.static_k, n=3), ())
+  if "draft_model" in a.drafters:
+    drafters["draft_model"] = DraftModelDrafter.from_model(truncated_copy(target, a.draft_layers),
+                                                           draft_len=a.static_k)
+  drafters = {name: drafters[name] for name in a.drafters}  # the first one is "spec"
   batches = [a.prompts * a.group] if a.quick else a.batch_sweep
   results = {}
   for b in batches:
@@ -268,58 +393,85 @@ def main(argv=None) -> dict:
     results[str(b)] = {"arms": arms, "calibration": eng.calibration_table(), "batch": b}
   main_b = str(batches[0])
   summary = {
-      "machine": f"{platform.machine()} CPU, {os.cpu_count()} cores, jax {jax.__version__}",
-      "command": "python experiments/bench_engine.py " + " ".join(sys.argv[1:] if argv is None
-                                                                   else argv),
+      "machine": machine(),
+      "command": command(argv),
       "config": {"hidden": a.hidden, "layers": a.layers, "heads": a.heads,
                  "kv_heads": a.kv_heads, "head_dim": a.head_dim, "vocab": a.vocab,
                  "batch": int(main_b), "max_new": a.max_new, "prompt_len": a.prompt_len,
                  "temperature": a.temperature, "max_draft_len": a.max_draft_len,
                  "static_k": a.static_k, "length_quantiles": quantiles, "eos_ids": list(eos),
-                 "group": a.group, "draft_vocab": a.draft_vocab},
+                 "group": a.group, "draft_vocab": a.draft_vocab,
+                 "draft_layers": a.draft_layers, "drafters": a.drafters},
       "target_params": cfg_m.num_params(),
+      "target": a.target,
+      "head_fit": {"loss": head_fit, "language_entropy": None if a.language is None
+                   else a.language.entropy, "seconds": fit_s},
       "eagle_train_s": train_s,
       "arms": results[main_b]["arms"],
-      "calibration": {"rows": results[main_b]["calibration"], "drafter": "eagle3+ngram"},
+      "calibration": {"rows": results[main_b]["calibration"], "drafter": "+".join(a.drafters)},
       "batches": results,
   }
   arms = summary["arms"]
   ratios = {}
-  for spec in ("spec_adaptive", "ngram_adaptive", "spec_static", "ngram_static"):
-    if spec in arms:
+  for spec in arms:
+    if not spec.startswith("ar_"):
       ratios[f"{spec}_vs_ar_static"] = arms["ar_static"]["rollout_s"] / arms[spec]["rollout_s"]
       ratios[f"{spec}_vs_ar_compact"] = arms["ar_compact"]["rollout_s"] / arms[spec]["rollout_s"]
   ratios["ar_compact_vs_ar_static"] = arms["ar_static"]["rollout_s"] / arms["ar_compact"]["rollout_s"]
+  for name in arms:  # the same comparisons in tokens/s over all timed runs
+    if name != "ar_static":
+      for base in ("ar_static", "ar_compact"):
+        if name != base:
+          ratios[f"{name}_vs_{base}_tokens_per_s"] = (arms[name]["tokens_per_s"]
+                                                      / arms[base]["tokens_per_s"])
   summary["speedups"] = ratios
+  summary["main_wall_s"] = time.perf_counter() - t_start
   if a.no_accept:
-    log("no-acceptance control:")
-    summary["no_accept"] = na = no_accept(a, log)
-    bw = read_bandwidth()
-    summary["read_bandwidth_gb_s"] = bw
-    if na["ar_batch1_s_per_token"]:
-      achieved = na["target_params"] * 4 / na["ar_batch1_s_per_token"] / 1e9
-      summary["ar_batch1"] = {"s_per_token": na["ar_batch1_s_per_token"],
-                              "weight_read_gb_s": achieved, "fraction_of_read_bw": achieved / bw}
+    summary.update(control(a, log))
+  finish(a, summary, t_start, log)
+  return summary
+
+
+def control(a, log) -> dict:
+  """The no-acceptance control and AR at batch 1 against the machine's read bandwidth."""
+  log("no-acceptance control:")
+  out = {"no_accept": no_accept(a, log)}
+  na = out["no_accept"]
+  bw = out["read_bandwidth_gb_s"] = read_bandwidth()
+  if na["ar_batch1_s_per_token"]:
+    achieved = na["target_params"] * 4 / na["ar_batch1_s_per_token"] / 1e9
+    out["ar_batch1"] = {"s_per_token": na["ar_batch1_s_per_token"],
+                        "weight_read_gb_s": achieved, "fraction_of_read_bw": achieved / bw}
+  return out
+
+
+def finish(a, summary: dict, t_start: float, log) -> None:
   summary["wall_s"] = time.perf_counter() - t_start
+  summary.setdefault("main_wall_s", 0.0)
   print_table(summary)
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   tmp = a.out + ".tmp"
   with open(tmp, "w") as f:
     json.dump(summary, f, indent=1, default=float)
   os.replace(tmp, a.out)
-  log(f"wrote {a.out} ({summary['wall_s']:.0f} s)")
-  return summary
+  log(f"wrote {a.out} ({summary['wall_s']:.0f} s; without the no-acceptance control "
+      f"{summary['main_wall_s']:.0f} s)")
 
 
 def print_table(s: dict) -> None:
-  print(f"\n{s['target_params'] / 1e6:.1f}M-parameter target, {s['machine']}")
-  for b, r in s["batches"].items():
+  if "batches" in s:
+    print(f"\n{s['target_params'] / 1e6:.1f}M-parameter target, {s['machine']}")
+  for b, r in s.get("batches", {}).items():
     base = r["arms"]["ar_static"]["rollout_s"]
-    print(f"\nbatch {b}: arm               rollout_s  x ar_static  acc.len  K per bucket")
+    tps = r["arms"]["ar_static"]["tokens_per_s"]
+    print(f"\nbatch {b}: arm               rollout_s  x ar_static  tok/s  x ar_static  acc.len  "
+          "K per bucket")
     for name, rec in r["arms"].items():
       print(f"  {name:22s} {rec['rollout_s']:9.3f}  {base / rec['rollout_s']:10.2f}  "
+            f"{rec['tokens_per_s']:6.1f}  {rec['tokens_per_s'] / tps:10.2f}  "
             f"{rec['acceptance_length']:7.2f}  {rec['k_per_bucket']}")
-  print("\nspeedups (main batch):", {k: round(v, 3) for k, v in s["speedups"].items()})
+  if "speedups" in s:
+    print("\nspeedups (main batch):", {k: round(v, 3) for k, v in s["speedups"].items()})
   if "ar_batch1" in s:
     x = s["ar_batch1"]
     print(f"AR batch 1: {x['s_per_token'] * 1e3:.2f} ms/token = {x['weight_read_gb_s']:.1f} GB/s "

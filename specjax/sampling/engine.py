@@ -40,11 +40,13 @@ class EngineConfig:
   window_block: int = 0
   adaptive: bool = True  # choose K per bucket (else the drafter's draft_len throughout)
   max_draft_len: int = 0  # largest K adaptivity may pick; 0: the drafter's draft_len
-  probe_iters: int = 4  # adaptive, before any draft was seen: steps of the first (probing) segment
+  probe_iters: int = 4  # adaptive: steps of a drafting segment while the evidence is thin ...
+  probe_drafts: float = 16.0  # ... i.e. fewer drafts than this behind the estimate (decayed count)
   first_segment_iters: int = 32  # adaptive: steps before a bucket's first re-decision ...
   max_segment_iters: int = 256  # ... doubling per segment up to this
   estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
-  calibration_iters: int = 3  # timed steps per (bucket, K) in the startup calibration
+  calibration_iters: int = 3  # timed steps per (bucket, K) in the startup calibration ...
+  calibration_repeats: int = 3  # ... timed this many times, the fastest kept (load noise)
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
   min_gain: float = 0.05  # draft only when expected tokens/s beat plain AR by this fraction
@@ -58,6 +60,7 @@ class EngineConfig:
     check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
     check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
     check(self.probe_iters >= 1, "probe_iters", f"must be >= 1, got {self.probe_iters}")
+    check(self.probe_drafts >= 0, "probe_drafts", f"must be >= 0, got {self.probe_drafts}")
     check(self.first_segment_iters >= 1, "first_segment_iters",
           f"must be >= 1, got {self.first_segment_iters}")
     check(0 <= self.estimate_decay <= 1, "estimate_decay",
@@ -67,6 +70,8 @@ class EngineConfig:
           f"got {self.max_segment_iters}")
     check(self.calibration_iters >= 1, "calibration_iters",
           f"must be >= 1, got {self.calibration_iters}")
+    check(self.calibration_repeats >= 1, "calibration_repeats",
+          f"must be >= 1, got {self.calibration_repeats}")
     check(0 < self.prior_acceptance < 1, "prior_acceptance",
           f"must be in (0, 1), got {self.prior_acceptance}")
     check(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight}")
@@ -275,15 +280,19 @@ class _Run:
 
   def step_cost(self, state, bucket: int, k: int, window: int) -> float:
     """Seconds per step of the (bucket, K) program, timed on the current state (the result is
-    discarded) after one untimed run that compiles it."""
+    discarded) after one untimed run that compiles it; the fastest of `calibration_repeats`
+    timings, since load on the machine only ever adds time."""
     key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
     if key not in _STEP_COSTS:
       n = self.engine.calibration_iters
-      probe = jax.random.PRNGKey(0)
+      probe = jax.random.key(0)
       jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
-      t0 = time.perf_counter()
-      _, iters = jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
-      _STEP_COSTS[key] = (time.perf_counter() - t0) / max(int(iters), 1)
+      best = float("inf")
+      for _ in range(self.engine.calibration_repeats):
+        t0 = time.perf_counter()
+        _, iters = jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
+        best = min(best, (time.perf_counter() - t0) / max(int(iters), 1))
+      _STEP_COSTS[key] = best
     return _STEP_COSTS[key]
 
   def cost(self, state, bucket: int, k: int, longest: int) -> float:
@@ -293,9 +302,11 @@ class _Run:
                           window_for(longest, k, self.engine.window_block, self.cache_size))
 
   def choose_k(self, state, bucket: int, live: int, longest: int) -> tuple[int, float]:
-    """(K, expected tokens/s) maximising live * E[tokens | K] / cost(bucket, K)."""
+    """(K, expected tokens/s) maximising live * E[tokens | K] / cost(bucket, K). The first visit
+    of a bucket calibrates every K, so no program of the run compiles after its first rollout."""
     if len(self.k_choices) == 1:
       return self.k_choices[0], float("nan")
+    costs = {k: self.cost(state, bucket, k, longest) for k in self.k_choices}
     if not self.estimate.seen:  # acceptance is a guess: draft once so the estimate can learn
       choices = self.k_choices[1:]
     else:  # a K whose expected tokens cannot beat AR by min_gain is not even measured
@@ -304,8 +315,7 @@ class _Run:
     if len(choices) == 1:
       return choices[0], float("nan")
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
-                          {k: self.cost(state, bucket, k, longest) for k in choices}, live,
-                          self.engine.min_gain)
+                          {k: costs[k] for k in choices}, live, self.engine.min_gain)
 
   def run(self, prompts, prompt_lengths, key) -> Rollout:
     batch = prompts.shape[0]
@@ -346,7 +356,9 @@ class _Run:
       per_bucket[bucket], last_k[bucket] = j + 1, k
       if not (self.engine.adaptive and len(self.k_choices) > 1):
         max_iters = NO_LIMIT
-      elif k > 0 and not self.estimate.seen:
+      elif k > 0 and self.estimate.offered[0] < max(self.engine.probe_drafts, 1e-9):
+        # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
+        # again, so a drafter that fails costs a few steps, not a segment
         max_iters = self.engine.probe_iters
       else:
         max_iters = min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
