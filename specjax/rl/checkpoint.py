@@ -91,6 +91,13 @@ def nonfinite_leaves(tree: Any, limit: int = 3) -> list[str]:
   return bad
 
 
+def _sync_processes(name: str) -> None:
+  """Barrier across the processes of a multi-process job (a no-op in a single process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    multihost_utils.sync_global_devices(name)
+
+
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves]
@@ -129,12 +136,16 @@ class Checkpointer:
 
   def _quarantine_incomplete(self) -> None:
     """Move step dirs that were never finalized (a crash while something wrote them) out of the
-    way, so they neither shadow the last good checkpoint nor block a later save of that step."""
-    for step in self._step_dirs():
-      if not self._complete(step):
-        dst = self._move_aside(step, "incomplete")
-        warnings.warn(f"Checkpointer: step dir {self.directory}/{step} is incomplete; moved to "
-                      f"{dst}")
+    way, so they neither shadow the last good checkpoint nor block a later save of that step.
+    Process 0 moves them (every process sees the same directory; a second rename of the same
+    dir fails), the others wait until it has."""
+    if jax.process_index() == 0:
+      for step in self._step_dirs():
+        if not self._complete(step):
+          dst = self._move_aside(step, "incomplete")
+          warnings.warn(f"Checkpointer: step dir {self.directory}/{step} is incomplete; moved to "
+                        f"{dst}")
+    _sync_processes(f"specjax checkpointer open {self.directory}")
 
   def steps(self) -> list[int]:
     return [s for s in self.manager.all_steps() if self._complete(s)]
@@ -215,9 +226,13 @@ class Checkpointer:
         damaged.append(s)
         continue
       # the run goes on from step s and will save those steps again: keep the damaged ones aside
-      for d in damaged:
-        aside = self._move_aside(d, "damaged")
-        warnings.warn(f"Checkpointer: damaged checkpoint {d} moved to {aside}")
+      # (process 0 moves them; the barrier's name also fails the job if processes restored
+      # different steps)
+      if jax.process_index() == 0:
+        for d in damaged:
+          aside = self._move_aside(d, "damaged")
+          warnings.warn(f"Checkpointer: damaged checkpoint {d} moved to {aside}")
+      _sync_processes(f"specjax checkpointer restored {self.directory}/{s}")
       self.manager.reload()
       return out
     return None
