@@ -98,7 +98,12 @@ class RejectedDrafter(Drafter):
 
 def test_adaptive_k_turns_speculation_off_when_no_draft_is_accepted(target, static_ar):
   never = int(np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(static_ar.tokens))[0])
-  engine = EngineConfig(window_block=0)
+  # a fresh estimate (no counts from earlier tests: the first segment probes), and a min_gain
+  # that no K can promise after the probe's 5 rejected drafts (E[tokens | K] <= 1.21 < 1.25), so
+  # every later K is 0 whatever the step timings: with the default 0.05, K > 0 stays a candidate
+  # until ~22 drafts were rejected, and the measured costs (load) decided whether it drafted again
+  eng.clear_calibration()
+  engine = EngineConfig(window_block=0, min_gain=0.25)
   out = speculative_generate(target, RejectedDrafter(draft_len=3, token=never), (), PROMPTS,
                              PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=engine)
   assert_same_rollout(out, static_ar)
@@ -106,7 +111,8 @@ def test_adaptive_k_turns_speculation_off_when_no_draft_is_accepted(target, stat
   # the first segment probes; once the estimate knows drafts fail, K = 0 (plain AR) wins, since a
   # draft must promise min_gain more tokens/s than AR and E[tokens | K] tends to 1
   assert out.segments[0].draft_len >= 1
-  assert out.segments[-1].draft_len == 0 and out.segments[-1].iterations >= 5
+  assert all(s.draft_len == 0 for s in out.segments[1:])
+  assert out.segments[-1].iterations >= 5
   assert int(out.stats.num_drafts.sum()) <= 60
   assert int(out.num_steps) == int(static_ar.num_steps)  # a rejected draft still emits a token
 
