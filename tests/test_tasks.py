@@ -11,6 +11,7 @@ from specjax.models import CharTokenizer, HFTokenizer
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example, Score, compute_rewards, make_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask, evaluate
+from specjax.rl.tasks.trace import TraceTask, trace_text
 from specjax.rl.tasks.math_data import (FALLBACK_TEMPLATE, MathDatasetTask, load_math_dataset,
                                         render_chat)
 from specjax.rl.tasks.rewards import exact_answer_reward, extract_answer, math_verify_reward
@@ -49,6 +50,33 @@ def test_arithmetic_reward_is_exact_match_with_an_optional_format_bonus():
 def _write_jsonl(path, rows):
   path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
   return str(path)
+
+
+def test_trace_task_writes_a_recurrence_counting_down_to_a_with_long_tailed_lengths():
+  assert trace_text(3, 5, 4) == "d3+5=8,c5+8=3,b8+3=1,a3+1=4#4"
+  task = TraceTask(TaskConfig(name="trace", operands=24), TOK)
+  exs = task.examples(0, 2000)
+  assert exs == task.examples(0, 2000) and task.validation(8) != task.examples(0, 8)
+  lengths = []
+  for ex in exs[:300]:
+    whole = ex.prompt + task.scratchpad(ex)
+    steps = ex.meta["steps"]
+    assert 2 <= steps <= 24 and whole.count("=") == steps and whole.endswith("#" + ex.answer)
+    a, b = int(ex.prompt[1]), int(ex.prompt[3])
+    assert whole == trace_text(a, b, steps)
+    assert len(task.encode_prompt(ex)) <= task.max_prompt_len
+  for ex in exs:
+    lengths.append(len(TOK.encode(task.scratchpad(ex), eos=True)))
+  assert max(lengths) <= task.max_completion_len
+  p10, p50, p90 = np.percentile(lengths, [10, 50, 90])
+  assert p10 < 20 and p50 < 0.3 * task.max_completion_len < p90  # long-tailed
+  ex = exs[0]
+  good = task.scratchpad(ex)
+  assert task.score(good, ex).correct
+  wrong = good.rsplit("#", 1)[0] + "#" + str((int(ex.answer) + 1) % 10)
+  assert not task.score(wrong, ex).correct and not task.score("no answer", ex).correct
+  with pytest.raises(ValueError, match="TaskConfig.operands"):
+    TraceTask(TaskConfig(name="trace", operands=27), TOK)
 
 
 def test_gsm8k_rows_load_with_the_final_answer_after_the_hash_marks(tmp_path):

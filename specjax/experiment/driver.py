@@ -39,11 +39,25 @@ class BaseModelConfig:
   # Fraction of training answers replaced by a systematic mistake (off by one): the base policy
   # then prefers a wrong answer but keeps the right one in its distribution, which RL can find.
   bias: float = 0.0
+  # Pretrain a smaller decoder, then grow it function-preservingly to --rl.model
+  # (`specjax.experiment.grow`): this many layers and MLP units (0: --rl.model's own). A policy
+  # large enough to be memory-bound in decode cannot be pretrained in minutes on a small CPU.
+  pretrain_layers: int = 0
+  pretrain_mlp_hidden: int = 0
+  # minibatches of similar-length texts, each cut to its own width (long-tailed scratchpads)
+  length_batches: bool = True
+  # seed of the base policy's data and init; -1: --rl.seed (set it to compare RL seeds on one
+  # base policy: experiments/rl_zero_seeds.py)
+  seed: int = -1
 
   def __post_init__(self):
     w = "BaseModelConfig"
     for name in ("steps", "examples", "batch_size"):
       check(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
+    check(self.seed >= -1, f"{w}.seed", f"must be >= 0, or -1 for --rl.seed, got {self.seed}")
+    for name in ("pretrain_layers", "pretrain_mlp_hidden"):
+      check(getattr(self, name) >= 0, f"{w}.{name}",
+            f"must be >= 0 (0: --rl.model's), got {getattr(self, name)}")
     check(self.lr > 0, f"{w}.lr", f"must be > 0, got {self.lr}")
     check(0 <= self.bias < 1, f"{w}.bias", f"must be in [0, 1), got {self.bias}")
     check(self.finetune_steps >= 0, f"{w}.finetune_steps",
@@ -62,11 +76,19 @@ class DraftInitConfig:
   lr: float = 3e-3
   domain: str = "in-domain"  # in-domain: the RL task's prompts; general: other text
   draft_model_layers: int = 1  # draft-model without --rl.draft.path: the policy's first N layers
+  # EAGLE-3 draft vocabulary: the most frequent completion tokens (0: min(vocab, 32000))
+  draft_vocab: int = 0
+  # MLP width of the EAGLE-3 head's decoder layer (0: the policy's): a narrower head drafts and
+  # trains for a fraction of a policy layer's cost
+  head_mlp_hidden: int = 0
 
   def __post_init__(self):
     w = "DraftInitConfig"
     for name in ("steps", "prompts", "batch_size", "draft_model_layers"):
       check(getattr(self, name) >= 1, f"{w}.{name}", f"must be >= 1, got {getattr(self, name)}")
+    for name in ("draft_vocab", "head_mlp_hidden"):
+      check(getattr(self, name) >= 0, f"{w}.{name}",
+            f"must be >= 0 (0: the default), got {getattr(self, name)}")
     one_of(self.domain, ("in-domain", "general"), f"{w}.domain")
 
 
@@ -165,8 +187,23 @@ def _pretrain(model_cfg, examples: list, tokenizer, base: BaseModelConfig, steps
 
   model = start if start is not None else Decoder(model_cfg, rngs=nnx.Rngs(seed))
   model, history = pretrain_lm(model, examples, tokenizer, steps=steps,
-                               batch_size=base.batch_size, lr=base.lr, seed=seed, progress=True)
+                               batch_size=base.batch_size, lr=base.lr, seed=seed,
+                               length_batches=base.length_batches, progress=True)
   return model, history
+
+
+def pretrain_model_cfg(model_cfg, base: BaseModelConfig):
+  """The config the base policy is pretrained at: `model_cfg` with BaseModelConfig's
+  pretrain_layers / pretrain_mlp_hidden (then grown to `model_cfg`), or `model_cfg` itself."""
+  layers = base.pretrain_layers or model_cfg.num_layers
+  mlp = base.pretrain_mlp_hidden or model_cfg.mlp_hidden
+  if (layers, mlp) == (model_cfg.num_layers, model_cfg.mlp_hidden):
+    return model_cfg
+  from specjax.experiment.grow import check_growth
+
+  small = model_cfg.replace(num_layers=layers, mlp_hidden=mlp, aux_layers=None)
+  check_growth(small, model_cfg)
+  return small
 
 
 def build_base_policy(cfg: ExperimentConfig, tokenizer, task, base_examples: Examples,
@@ -202,21 +239,32 @@ def base_policy_dir(cfg: ExperimentConfig, tokenizer, task, base_examples: Examp
   if cfg.model_path:
     return cfg.model_path
   model_cfg = _model_cfg(cfg, tokenizer)
-  key = _digest("base", model_cfg, cfg.base, cfg.rl.task, cfg.rl.seed,
+  seed = cfg.base.seed if cfg.base.seed >= 0 else cfg.rl.seed
+  # aux_layers only picks which hidden states a forward exports: not part of the weights' key
+  key = _digest("base", model_cfg.replace(aux_layers=None), dataclasses.replace(cfg.base, seed=seed),
+                cfg.rl.task, seed,
                 finetune_examples is not None)
   path = os.path.join(cfg.cache_dir, f"base-{key}")
   if os.path.isdir(path) and not cfg.fresh:
     log(f"[base] cached base policy {path}")
     return path
   t0 = time.perf_counter()
-  log(f"[base] pretraining a {model_cfg.num_params() / 1e6:.2f}M-parameter decoder on the task's "
+  small_cfg = pretrain_model_cfg(model_cfg, cfg.base)
+  log(f"[base] pretraining a {small_cfg.num_params() / 1e6:.2f}M-parameter decoder on the task's "
       f"text ({cfg.base.steps} steps)")
-  model, _ = _pretrain(model_cfg, base_examples(task, cfg.base.examples, cfg.rl.seed, cfg.base.bias), tokenizer,
-                       cfg.base, cfg.base.steps, cfg.rl.seed)
+  model, _ = _pretrain(small_cfg, base_examples(task, cfg.base.examples, seed, cfg.base.bias),
+                       tokenizer, cfg.base, cfg.base.steps, seed)
   if finetune_examples is not None and cfg.base.finetune_steps:
     log(f"[base] fine-tuning on scratchpad text ({cfg.base.finetune_steps} steps)")
-    model, _ = _pretrain(model_cfg, finetune_examples(task, cfg.base.examples, cfg.rl.seed + 1, cfg.base.bias),
-                         tokenizer, cfg.base, cfg.base.finetune_steps, cfg.rl.seed + 1, start=model)
+    model, _ = _pretrain(small_cfg, finetune_examples(task, cfg.base.examples, seed + 1, cfg.base.bias),
+                         tokenizer, cfg.base, cfg.base.finetune_steps, seed + 1, start=model)
+  if small_cfg is not model_cfg:
+    from specjax.experiment.grow import grow_decoder
+
+    model = grow_decoder(model, model_cfg, seed=seed)
+    log(f"[base] grown function-preservingly to {model_cfg.num_params() / 1e6:.2f}M parameters "
+        f"({small_cfg.num_layers} -> {model_cfg.num_layers} layers, MLP {small_cfg.mlp_hidden} -> "
+        f"{model_cfg.mlp_hidden}; new layers and units start with zero output projections)")
   _atomic_dir(path, lambda tmp: save_pretrained(model, tmp))
   log(f"[base] done in {time.perf_counter() - t0:.1f} s, cached at {path}")
   return path
@@ -240,16 +288,45 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
   toks, lens = _in_domain_prompts(cfg, tokenizer, task)
   t0 = time.perf_counter()
   log(f"[draft] training an EAGLE-3 head on {len(toks)} {d.domain} rollouts ({d.steps} steps)")
+  warmup = min(20, max(d.steps // 5, 1), d.steps - 1)  # a short run is not mostly warmup
   train_cfg = DraftTrainConfig(steps=d.steps, batch_size=d.batch_size, learning_rate=d.lr,
-                               warmup_steps=min(20, d.steps - 1), ttt_steps=cfg.rl.draft.ttt_steps,
-                               seed=cfg.rl.seed)
-  result = train_draft_head((graphdef, params), toks, lens,
+                               warmup_steps=warmup, ttt_steps=cfg.rl.draft.ttt_steps,
+                               draft_vocab=d.draft_vocab or None, seed=cfg.rl.seed)
+  head = None
+  if d.head_mlp_hidden:
+    from specjax.eagle.head import init_head
+
+    check(d.draft_vocab > 0, "DraftInitConfig.draft_vocab",
+          "set it with head_mlp_hidden (the head is built before the vocabulary is counted)")
+    head = init_head(policy.cfg.replace(mlp_hidden=d.head_mlp_hidden), d.draft_vocab,
+                     seed=cfg.rl.seed)
+  target = draft_init_target(cfg, policy, log=log)
+  result = train_draft_head(nnx.split(target), toks, lens, head=head,
                             sampling=sampling_config(cfg.rl, tokenizer), config=train_cfg)
   last = result.history[-1]
   log(f"[draft] done in {time.perf_counter() - t0:.1f} s: TTT loss {last['loss']:.3f}, "
       f"step-0 top-1 agreement {last.get('acc_0', float('nan')):.2f}")
   _atomic_dir(path, lambda tmp: save_head(os.path.abspath(tmp), result.head, result.maps))
   return load_head(os.path.abspath(path), policy.cfg)
+
+
+def draft_init_target(cfg: ExperimentConfig, policy, log=print):
+  """The decoder the EAGLE-3 head is trained against offline: a grown base policy's exact
+  pre-growth part (`grow.shrink_decoder`: the layers up to the last feature layer, the pretrained
+  MLP units; same features, logits and rollouts, several times cheaper per step), else the
+  policy itself."""
+  small = pretrain_model_cfg(policy.cfg, cfg.base) if not cfg.model_path else policy.cfg
+  if small is policy.cfg:
+    return policy
+  from specjax.experiment.grow import shrink_decoder
+
+  layers = max(max(policy.cfg.aux_layer_ids) + 1, small.num_layers)
+  target = shrink_decoder(policy, layers, small.mlp_hidden)
+  if target is None:
+    return policy
+  log(f"[draft] training against the policy's exact {target.cfg.num_params() / 1e6:.2f}M-parameter "
+      f"pre-growth part ({layers} layers, MLP {small.mlp_hidden})")
+  return target
 
 
 def _fingerprint(params) -> float:

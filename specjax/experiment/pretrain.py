@@ -49,13 +49,13 @@ def encode_sft(tokenizer, examples: Sequence[str | tuple[str, str]],
 def pretrain_lm(model: Decoder, examples: Sequence[str | tuple[str, str]], tokenizer, *,
                 steps: int = 300, batch_size: int = 64, lr: float = 3e-3, warmup_steps: int = 10,
                 weight_decay: float = 0.0, seed: int = 0, mtp_weight: float = 0.3,
-                progress: bool = False) -> tuple[Decoder, list[dict[str, float]]]:
+                length_batches: bool = False, progress: bool = False) -> tuple[Decoder, list[dict[str, float]]]:
   """Supervised fine-tuning of `model` on texts or (prompt, completion) pairs; returns the trained
   decoder (a new module) and the per-step loss history."""
   tokens, mask = encode_sft(tokenizer, examples)
   cfg = LmTrainConfig(steps=steps, batch_size=batch_size, learning_rate=lr,
                       warmup_steps=min(warmup_steps, steps - 1), weight_decay=weight_decay,
-                      mtp_weight=mtp_weight, seed=seed)
+                      mtp_weight=mtp_weight, length_batches=length_batches, seed=seed)
   return train_lm(model, tokens, mask, cfg, progress=progress)
 
 
@@ -83,6 +83,9 @@ class LmTrainConfig:
   clip_norm: float = 1.0
   mtp_weight: float = 0.3  # joint training; ignored with mtp_only
   mtp_only: bool = False  # train the MTP module alone on a frozen trunk
+  # minibatches of rows of similar length (a random window of the rows sorted by length), each
+  # cut to its own width: long-tailed texts then cost their mean length, not their longest
+  length_batches: bool = False
   seed: int = 0
 
   def __post_init__(self):
@@ -106,6 +109,24 @@ def lm_train_step(graphdef, cfg: LmTrainConfig, trained, frozen, opt_state, toke
   return optax.apply_updates(trained, updates), opt_state, dict(metrics, loss=loss)
 
 
+WIDTH_QUANTUM = 64
+
+
+def _row_lengths(loss_mask: np.ndarray) -> np.ndarray:
+  """Index after each row's last learned token."""
+  m = np.asarray(loss_mask, bool)
+  return np.where(m.any(axis=1), m.shape[1] - np.argmax(m[:, ::-1], axis=1), 0)
+
+
+def batch_width(loss_mask: np.ndarray, width: int) -> int:
+  """Columns a minibatch needs: its last learned token, rounded up to WIDTH_QUANTUM (few compiled
+  shapes). Long-tailed texts (the trace task's scratchpads) then cost their own length, not the
+  longest row's: the zero-mask tail adds nothing to the masked loss."""
+  used = np.flatnonzero(loss_mask.any(axis=0))
+  last = int(used[-1]) + 1 if used.size else 1
+  return min(width, -(-last // WIDTH_QUANTUM) * WIDTH_QUANTUM)
+
+
 def train_lm(model: Decoder, tokens, loss_mask, cfg: LmTrainConfig = LmTrainConfig(), *,
              progress: bool = True) -> tuple[Decoder, list[dict[str, float]]]:
   """Train on sequences `tokens[M, W]` (random minibatches); returns (new decoder, history).
@@ -119,12 +140,20 @@ def train_lm(model: Decoder, tokens, loss_mask, cfg: LmTrainConfig = LmTrainConf
   opt_state = make_optimizer(cfg).init(trained)
   tokens, loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
   rng = np.random.default_rng(cfg.seed)
+  by_length = np.argsort(_row_lengths(loss_mask), kind="stable")
   history = []
   bar = tqdm(range(cfg.steps), desc="mtp" if cfg.mtp_only else "lm", disable=not progress)
   for _ in bar:
-    idx = rng.choice(tokens.shape[0], size=cfg.batch_size, replace=tokens.shape[0] < cfg.batch_size)
+    if cfg.length_batches and tokens.shape[0] > cfg.batch_size:
+      start = int(rng.integers(0, tokens.shape[0] - cfg.batch_size + 1))
+      idx = by_length[start:start + cfg.batch_size]
+    else:
+      idx = rng.choice(tokens.shape[0], size=cfg.batch_size,
+                       replace=tokens.shape[0] < cfg.batch_size)
+    w = batch_width(loss_mask[idx], tokens.shape[1])
     trained, opt_state, metrics = lm_train_step(graphdef, cfg, trained, frozen, opt_state,
-                                                jnp.asarray(tokens[idx]), jnp.asarray(loss_mask[idx]))
+                                                jnp.asarray(tokens[idx, :w]),
+                                                jnp.asarray(loss_mask[idx, :w]))
     history.append(metrics)
     if progress:
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}")

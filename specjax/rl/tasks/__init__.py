@@ -89,6 +89,11 @@ def _chain(cfg, tok):
   return ChainTask(cfg, tok)
 
 
+def _trace(cfg, tok):
+  from specjax.rl.tasks.trace import TraceTask
+  return TraceTask(cfg, tok)
+
+
 def _math(fmt):
   def build(cfg, tok):
     from specjax.rl.tasks.math_data import MathDatasetTask
@@ -104,6 +109,7 @@ def _reasoning_gym(cfg, tok):
 TASKS: dict[str, Callable[[TaskConfig, Any], Task]] = {
     "arithmetic": _arithmetic,
     "chain": _chain,
+    "trace": _trace,
     "math": _math(None),
     "gsm8k": _math("gsm8k"),
     "dapo": _math("dapo"),

@@ -1,0 +1,90 @@
+"""The embedded reasoning task of the main job: a Fibonacci-style recurrence mod 10, traced.
+
+Prompt "d3+5=", completion "8,c5+8=3,b8+3=1,a3+1=4#4": the prompt is the first step of a
+recurrence mod 10 (terms 3, 5); each step copies the two terms before it and writes their sum
+mod 10; steps count down by letter from the one the prompt names to 'a'; the answer (the last
+term) follows '#'.
+
+Why this shape: every scratchpad token is a function of tokens a fixed distance back (both copies
+5 back, the next letter 7 back, the sum from 2 and 4 back, '#' after the step named 'a'), which
+a small decoder learns in a few hundred steps and a cheap draft predicts; the answer depends on
+every step. Three earlier layouts were not learned by a 0.75-1.2M decoder in 300-400 steps: a
+running sum over operands listed in the prompt (an induction-head lookup per step), counting up
+to a letter named in the prompt (the stop needs a lookup in the prompt), and a prompt "35:d="
+whose first letter is a copy at an offset no other step uses. The number of steps is log-uniform
+on [2, cfg.operands] (at most 26: letters z..a), so completion lengths are long-tailed like
+reasoning traces: 11 to 7 * steps - 3 tokens with EOS (165 at 24 steps; median ~5 steps).
+Character-level text for `specjax.models.CharTokenizer`.
+"""
+
+from __future__ import annotations
+
+import math
+import string
+
+import numpy as np
+
+from specjax.rl.config import TaskConfig
+from specjax.rl.tasks import Example, Score, Task
+
+_TRAIN, _VALID = 0, 1  # independent random streams
+LABELS = string.ascii_lowercase
+MAX_STEPS = len(LABELS)
+STEP_CHARS = 7  # "c3+5=8,"
+
+
+def trace_text(a: int, b: int, steps: int) -> str:
+  """The whole trace (prompt and completion): trace_text(3, 5, 2) == "b3+5=8,a5+8=3#3"."""
+  out = []
+  for label in LABELS[steps - 1::-1]:
+    out.append(f"{label}{a}+{b}={(a + b) % 10}")
+    a, b = b, (a + b) % 10
+  return ",".join(out) + f"#{b}"
+
+
+class TraceTask(Task):
+  name = "trace"
+
+  def __init__(self, cfg: TaskConfig = TaskConfig(operands=MAX_STEPS), tokenizer=None):
+    if tokenizer is None:
+      from specjax.models.tokenizer import CharTokenizer
+      tokenizer = CharTokenizer()
+    if not 2 <= cfg.operands <= MAX_STEPS:
+      raise ValueError(f"TaskConfig.operands: the trace task takes 2..{MAX_STEPS} steps (letters "
+                       f"z..a), got {cfg.operands}")
+    super().__init__(cfg, tokenizer)
+
+  def _make(self, stream: int, index: int) -> Example:
+    rng = np.random.default_rng([self.cfg.seed, stream, index])
+    n = int(math.floor(math.exp(rng.random() * math.log(self.cfg.operands + 1))))
+    n = min(max(n, 2), self.cfg.operands)
+    a, b = (int(v) for v in rng.integers(0, 10, size=2))
+    text = trace_text(a, b, n)
+    prompt = f"{LABELS[n - 1]}{a}+{b}="
+    return Example(prompt=prompt, answer=text.rsplit("#", 1)[1],
+                   meta={"steps": n, "scratchpad": text[len(prompt):]})
+
+  def example(self, index: int) -> Example:
+    return self._make(_TRAIN, index)
+
+  def validation(self, n: int) -> list[Example]:
+    return [self._make(_VALID, i) for i in range(n)]
+
+  @staticmethod
+  def scratchpad(example: Example) -> str:
+    return example.meta["scratchpad"]
+
+  def score(self, completion: str, example: Example) -> Score:
+    if "#" not in completion:
+      return Score(reward=0.0, correct=False)
+    correct = completion.rsplit("#", 1)[1].strip() == example.answer
+    return Score(reward=float(correct) + self.cfg.format_reward, correct=correct)
+
+  @property
+  def max_completion_len(self) -> int:
+    """Tokens of the longest completion, EOS included."""
+    return STEP_CHARS * self.cfg.operands - 3
+
+  @property
+  def max_prompt_len(self) -> int:
+    return 6  # BOS and the first step "d3+5="
