@@ -6,11 +6,13 @@ Same AR-vs-speculative comparison as rl_zero.py, on longer and harder-to-predict
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 
-from specjax.experiment.driver import ExperimentConfig, biased_answer, parse_config, run_experiment
+from specjax.experiment.driver import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
+                                       biased_answer, parse_config, run_experiment)
+from specjax.models import ModelConfig
+from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
+                               RolloutConfig, TaskConfig, ValidationConfig)
 from specjax.rl.tasks import Example, Score, register_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
@@ -63,17 +65,27 @@ def scratchpad_examples(task, n: int, seed: int, bias: float) -> list[tuple[str,
 
 
 def _defaults() -> ExperimentConfig:
-  """rl_zero's embedded default, with a scratchpad fine-tune, 3-operand chains and longer outputs."""
-  from rl_zero import DEFAULTS as ZERO
-
-  rl = ZERO.rl
-  return dataclasses.replace(
-      ZERO, name="rl_think",
-      base=dataclasses.replace(ZERO.base, finetune_steps=300),
-      rl=dataclasses.replace(
-          rl, task=dataclasses.replace(rl.task, name="arithmetic-think", digits=1, operands=3,
-                                       operators="+-"),
-          rollout=dataclasses.replace(rl.rollout, max_new_tokens=24)))
+  """A 0.15M-parameter decoder pretrained on answers, fine-tuned on 3-operand scratchpads
+  (~16 tokens): short completions, so the plain loop (no compaction, fixed K; see rl_zero's
+  history in docs/BENCHMARKS.md). rl_zero.py's default is the long-scratchpad job."""
+  return ExperimentConfig(
+      name="rl_think",
+      base=BaseModelConfig(steps=300, examples=4000, batch_size=64, lr=3e-3, bias=0.7,
+                           finetune_steps=300),
+      draft_init=DraftInitConfig(steps=200, prompts=256, batch_size=32),
+      rl=RLConfig(
+          model=ModelConfig(vocab_size=64, hidden_size=64, num_layers=4, num_heads=4,
+                            num_kv_heads=2, head_dim=16, mlp_hidden=128, tie_embeddings=True),
+          task=TaskConfig(name="arithmetic-think", digits=1, operands=3, operators="+-"),
+          grpo=GRPOConfig(group_size=8),
+          policy_optim=OptimConfig(lr=3e-4, warmup_steps=2, clip_norm=1.0),
+          draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
+          draft=DraftConfig(kind="eagle3", draft_len=3, online=True, loss_weight=1.0,
+                            adaptive=False),
+          rollout=RolloutConfig(temperature=1.0, max_new_tokens=24, compaction=False),
+          validation=ValidationConfig(every=10, num_prompts=128, batch_size=128),
+          checkpoint=CheckpointConfig(every=20),
+          steps=60, prompts_per_step=16, seed=0, progress=True))
 
 
 DEFAULTS = _defaults()

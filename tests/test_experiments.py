@@ -13,7 +13,10 @@ TINY = ["--base.steps", "4", "--base.examples", "64", "--base.batch-size", "16",
         "--rl.steps", "2", "--rl.prompts-per-step", "2", "--rl.grpo.group-size", "4",
         "--rl.validation.every", "2", "--rl.validation.num-prompts", "8",
         "--rl.validation.batch-size", "8", "--rl.no-progress", "--rl.no-tensorboard",
-        "--rl.model.hidden-size", "32", "--rl.model.num-layers", "3", "--rl.model.mlp-hidden", "64"]
+        "--rl.model.hidden-size", "32", "--rl.model.num-layers", "4", "--rl.model.mlp-hidden", "64",
+        "--rl.model.aux-layers", "1", "2", "3", "--base.pretrain-layers", "2",
+        "--base.pretrain-mlp-hidden", "32", "--rl.task.operands", "3",
+        "--rl.rollout.max-new-tokens", "18"]
 
 
 @pytest.mark.slow
@@ -78,3 +81,47 @@ def test_bad_experiment_config_is_a_clear_error(tmp_path):
   good.write_text("rl:\n  steps: 3\n  draft:\n    draft_len: 5\n")
   cfg = parse_config(ExperimentConfig(), ["--config", str(good), "--rl.seed", "7"])
   assert (cfg.rl.steps, cfg.rl.draft.draft_len, cfg.rl.seed) == (3, 5, 7)
+
+
+def test_growth_keeps_the_small_decoders_logits_and_every_new_weight_gets_gradient():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+
+  from specjax.experiment.grow import grow_decoder
+  from specjax.models import Decoder, ModelConfig
+
+  small = Decoder(ModelConfig(num_layers=2, mlp_hidden=32), rngs=nnx.Rngs(1))
+  big = grow_decoder(small, small.cfg.replace(num_layers=4, mlp_hidden=96, aux_layers=(1, 2, 3)),
+                     seed=2)
+  x = jnp.asarray(np.random.default_rng(0).integers(3, 60, (2, 12)), jnp.int32)
+  np.testing.assert_allclose(big(x).logits, small(x).logits, atol=1e-5)
+  graphdef, params = nnx.split(big, nnx.Param)
+  grads = jax.grad(lambda p: jnp.mean(nnx.merge(graphdef, p)(x).logits ** 2))(params)
+  layers = grads["layers"]
+  for i in (2, 3):  # appended identity layers: their zero output projections learn
+    assert float(jnp.abs(layers[i]["attn"]["o_proj"][...]).max()) > 0
+    assert float(jnp.abs(layers[i]["mlp"]["down"][...]).max()) > 0
+  assert float(jnp.abs(layers[0]["mlp"]["down"][...][32:]).max()) > 0  # the new MLP units
+  with pytest.raises(ValueError, match="ModelConfig.hidden_size"):
+    grow_decoder(small, small.cfg.replace(hidden_size=128))
+  with pytest.raises(ValueError, match="ModelConfig.num_layers"):
+    grow_decoder(small, small.cfg.replace(num_layers=1))
+
+
+def test_speedups_skip_steps_that_compiled_in_either_run():
+  from specjax.experiment.report import compile_mask, paired_speedups
+
+  def run(gens, buckets):
+    return [{"step": i + 1, "time/gen": g, "time/step": g + 1.0, "perf/compile_step": i == 0,
+             **{f"engine/steps_b{b}_k0": 1 for b in bs}} for i, (g, bs) in
+            enumerate(zip(gens, buckets))]
+
+  ar = run([9.0, 2.0, 2.0, 2.0], [[8], [8], [8, 4], [8, 4]])
+  spec = run([9.0, 1.0, 1.0, 50.0], [[8], [8], [8], [8, 2]])  # step 4 first reaches bucket 2
+  assert compile_mask(ar) == [True, False, True, False]
+  assert compile_mask(spec) == [True, False, False, True]
+  out = paired_speedups(ar, spec)
+  assert out["speedup_steps"] == [2] and out["rollout_speedup"] == 2.0
+  assert out["step_speedup"] == 3.0 / 2.0
