@@ -1,7 +1,9 @@
 """RL-Zero: GRPO from a weak base model, AR rollouts vs speculative (EAGLE-3) rollouts side by side.
 
-`python experiments/rl_zero.py` runs the embedded default (arithmetic, a tiny decoder pretrained
-here, CPU, no downloads) and writes runs/rl_zero/: metrics JSONL of both runs, summary.json, plots.
+`python experiments/rl_zero.py` runs the embedded default (the trace task's long-tailed
+scratchpads, a decoder pretrained here and grown to 14.2M parameters, CPU, no downloads) and
+writes runs/rl_zero/: metrics JSONL of both runs, summary.json, plots. Several RL seeds per arm:
+experiments/rl_zero_seeds.py.
 Every knob is a flag (`--help`), or a YAML file (`--config my.yaml`); `--model-path` takes a local
 Hugging Face checkpoint and `--dataset` a local JSONL/parquet math set.
 """
@@ -19,8 +21,8 @@ from specjax.rl.config import (DraftConfig, GRPOConfig, OptimConfig, RLConfig, R
 
 def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:
   """Base-model text: the task's prompts (a stream RL never uses) with mostly biased answers.
-  Tasks that write a scratchpad (`--rl.task.name chain`) get it, with the final answer one too
-  high (mod 10) with probability `bias`."""
+  Tasks that write a scratchpad (the default `trace`, `--rl.task.name chain`) get it, with the
+  final answer one too high (mod 10) with probability `bias`."""
   rng = np.random.default_rng(seed)
   out = []
   for e in task.examples(50_000_000 + 100_000 * seed, n):
@@ -34,10 +36,15 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 
 
 # The main job's proportions follow the NeMo-RL setting on a 2-core CPU (docs/BENCHMARKS.md):
-# long-tailed scratchpads (11-165 tokens), few rows per step (2 prompts x 4 samples), and a policy
-# large enough that decoding reads weights rather than computing (14.2M parameters), grown from
-# a 1.2M decoder pretrained here (`specjax.experiment.grow`: new layers and MLP units start with
-# zero output projections, so the grown policy computes exactly what the small one did).
+# long-tailed scratchpads (11-165 tokens), few rows per step (2 prompts x 4 samples: in this task
+# a prompt fixes its length, so two prompts give the live batch something to shrink to), and a
+# policy large enough that decoding reads weights rather than computing (14.2M parameters), grown
+# from a 1.2M decoder pretrained here (`specjax.experiment.grow`: new layers and MLP units start
+# with zero output projections, so the grown policy computes exactly what the small one did).
+# Temperature 0.7: sampled scratchpads are right more often (RL signal) and drafts are accepted
+# more (2.38 vs 1.8-2.0 at 1). No online draft loss: it would add the head's 3-step TTT unroll
+# to every train step, which the step speedup cannot afford here (`--rl.draft.online`; not
+# measured in this configuration). Measured in docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
