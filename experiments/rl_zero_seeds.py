@@ -78,8 +78,9 @@ def main(argv=None) -> dict:
   with open(os.path.join(args.out_dir, "rl_zero_seeds.json"), "w") as f:
     json.dump(result, f, indent=2)
   for arm, s in result["arms"].items():
-    print(f"{arm}: final accuracy {s['final_accuracy']['mean']:.3f} +- "
-          f"{s['final_accuracy']['std']:.3f}, gain {s['gain']['mean']:+.3f} +- {s['gain']['std']:.3f}")
+    final, gain = s["final_accuracy"], s["gain"]
+    print(f"{arm}: final accuracy {final['mean']:.3f} +- {final['std']:.3f}, "
+          f"gain {gain['mean']:+.3f} +- {gain['std']:.3f}")
   t = result["paired_test"]
   print(f"spec - AR: {t['mean_difference']:+.3f}, sign-flip p = {t['p_value']:.3f} "
         f"(smallest possible {t['min_possible_p']:.3f})")

@@ -241,8 +241,8 @@ def base_policy_dir(cfg: ExperimentConfig, tokenizer, task, base_examples: Examp
   model_cfg = _model_cfg(cfg, tokenizer)
   seed = cfg.base.seed if cfg.base.seed >= 0 else cfg.rl.seed
   # aux_layers only picks which hidden states a forward exports: not part of the weights' key
-  key = _digest("base", model_cfg.replace(aux_layers=None), dataclasses.replace(cfg.base, seed=seed),
-                cfg.rl.task, seed,
+  key = _digest("base", model_cfg.replace(aux_layers=None),
+                dataclasses.replace(cfg.base, seed=seed), cfg.rl.task, seed,
                 finetune_examples is not None)
   path = os.path.join(cfg.cache_dir, f"base-{key}")
   if os.path.isdir(path) and not cfg.fresh:
@@ -256,8 +256,9 @@ def base_policy_dir(cfg: ExperimentConfig, tokenizer, task, base_examples: Examp
                        tokenizer, cfg.base, cfg.base.steps, seed)
   if finetune_examples is not None and cfg.base.finetune_steps:
     log(f"[base] fine-tuning on scratchpad text ({cfg.base.finetune_steps} steps)")
-    model, _ = _pretrain(small_cfg, finetune_examples(task, cfg.base.examples, seed + 1, cfg.base.bias),
-                         tokenizer, cfg.base, cfg.base.finetune_steps, seed + 1, start=model)
+    texts = finetune_examples(task, cfg.base.examples, seed + 1, cfg.base.bias)
+    model, _ = _pretrain(small_cfg, texts, tokenizer, cfg.base, cfg.base.finetune_steps, seed + 1,
+                         start=model)
   if small_cfg is not model_cfg:
     from specjax.experiment.grow import grow_decoder
 

@@ -49,7 +49,8 @@ def encode_sft(tokenizer, examples: Sequence[str | tuple[str, str]],
 def pretrain_lm(model: Decoder, examples: Sequence[str | tuple[str, str]], tokenizer, *,
                 steps: int = 300, batch_size: int = 64, lr: float = 3e-3, warmup_steps: int = 10,
                 weight_decay: float = 0.0, seed: int = 0, mtp_weight: float = 0.3,
-                length_batches: bool = False, progress: bool = False) -> tuple[Decoder, list[dict[str, float]]]:
+                length_batches: bool = False,
+                progress: bool = False) -> tuple[Decoder, list[dict[str, float]]]:
   """Supervised fine-tuning of `model` on texts or (prompt, completion) pairs; returns the trained
   decoder (a new module) and the per-step loss history."""
   tokens, mask = encode_sft(tokenizer, examples)
