@@ -125,3 +125,20 @@ def test_speedups_skip_steps_that_compiled_in_either_run():
   out = paired_speedups(ar, spec)
   assert out["speedup_steps"] == [2] and out["rollout_speedup"] == 2.0
   assert out["step_speedup"] == 3.0 / 2.0
+
+
+def test_seed_summary_reports_mean_spread_and_an_exact_paired_test():
+  import rl_zero_seeds
+
+  def summary(ar, spec):
+    return {"initial_validation": {"val/accuracy": 0.1}, "rollout_speedup": 1.5,
+            "step_speedup": 1.1, "acceptance_length": 2.4,
+            "runs": {"ar": {"final_val_accuracy": ar}, "spec": {"final_val_accuracy": spec}}}
+
+  out = rl_zero_seeds.summarize({0: summary(0.5, 0.6), 1: summary(0.3, 0.4), 2: summary(0.4, 0.5)})
+  assert abs(out["arms"]["ar"]["final_accuracy"]["mean"] - 0.4) < 1e-9
+  assert abs(out["arms"]["spec"]["gain"]["mean"] - 0.4) < 1e-9
+  assert abs(out["arms"]["ar"]["final_accuracy"]["std"] - 0.1) < 1e-9
+  t = out["paired_test"]
+  assert t["p_value"] == 0.25 == t["min_possible_p"] and t["agree_at_0.05"]  # 3 seeds: p >= 1/4
+  assert rl_zero_seeds.sign_flip_test([0.1, -0.1, 0.0]) == 1.0
