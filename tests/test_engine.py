@@ -69,6 +69,9 @@ def test_greedy_speculative_with_compaction_and_adaptive_k_equals_greedy_ar(targ
   assert_same_rollout(out, static_ar)
   assert {s.bucket for s in out.segments} == {8, 4, 2, 1}
   assert out.segments[0].draft_len >= 1  # the first segment drafts, so acceptance is measured
+  # every K of every bucket visited was calibrated (compiled) on that bucket's first visit
+  calibrated = {(r["bucket"], r["draft_len"]) for r in eng.calibration_table()}
+  assert {(b, k) for b in (8, 4, 2, 1) for k in range(4)} <= calibrated
   counts = out.stats
   assert counts.num_drafts.shape == (8,) and int(counts.num_drafts.sum()) > 0
 

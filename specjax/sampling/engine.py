@@ -45,7 +45,7 @@ class EngineConfig:
   first_segment_iters: int = 32  # adaptive: steps before a bucket's first re-decision ...
   max_segment_iters: int = 256  # ... doubling per segment up to this
   estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
-  calibration_iters: int = 3  # timed steps per (bucket, K) in the startup calibration ...
+  calibration_iters: int = 3  # n: segments of n and 2n timed steps per (bucket, K) at startup ...
   calibration_repeats: int = 3  # ... timed this many times, the fastest kept (load noise)
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
@@ -228,18 +228,23 @@ def compiled_programs() -> int:
 # (graphdef, drafter, cfg, cache_size, mesh, bucket, K) -> seconds per step, measured once per
 # process (a run's startup calibration, reused by every later rollout of the run)
 _STEP_COSTS: dict[tuple, float] = {}
+# the same key -> the fixed cost of running a segment of that program (seconds, for the record)
+_SEGMENT_COSTS: dict[tuple, float] = {}
 # (drafter, cfg) -> running acceptance of that drafter at that sampling config, across rollouts
 _ESTIMATES: dict[tuple, AcceptanceEstimate] = {}
 
 
 def calibration_table() -> list[dict]:
-  """The measured step costs: [{"bucket", "draft_len", "step_s"}] (every entry measured)."""
-  return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v} for k, v in _STEP_COSTS.items()]
+  """The measured costs: [{"bucket", "draft_len", "step_s", "segment_s"}]: seconds per step and
+  the fixed seconds per segment of each (bucket, K) program (every entry measured)."""
+  return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": _SEGMENT_COSTS.get(k)}
+          for k, v in _STEP_COSTS.items()]
 
 
 def clear_calibration() -> None:
   """Forget measured step costs and acceptance estimates (e.g. between benchmark settings)."""
   _STEP_COSTS.clear()
+  _SEGMENT_COSTS.clear()
   _ESTIMATES.clear()
 
 
@@ -279,20 +284,27 @@ class _Run:
                         jnp.int32(max_iters), jnp.int32(stop_at_live), spec=spec, mesh=self.mesh)
 
   def step_cost(self, state, bucket: int, k: int, window: int) -> float:
-    """Seconds per step of the (bucket, K) program, timed on the current state (the result is
-    discarded) after one untimed run that compiles it; the fastest of `calibration_repeats`
-    timings, since load on the machine only ever adds time."""
+    """Seconds per step of the (bucket, K) program, timed on the current state (the results are
+    discarded) after one untimed run that compiles it. Each repeat times a segment of n steps and
+    one of 2n; the slope (t_2n - t_n) / n is the cost of a step without the segment's fixed cost
+    (dispatch, loop entry, the host round trip), which would otherwise weigh on cheap steps more
+    than on dear ones. The fastest of `calibration_repeats` timings of each is kept, since load on
+    the machine only ever adds time."""
     key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
     if key not in _STEP_COSTS:
       n = self.engine.calibration_iters
       probe = jax.random.key(0)
       jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
-      best = float("inf")
+      best = {n: (float("inf"), 0), 2 * n: (float("inf"), 0)}
       for _ in range(self.engine.calibration_repeats):
-        t0 = time.perf_counter()
-        _, iters = jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
-        best = min(best, (time.perf_counter() - t0) / max(int(iters), 1))
-      _STEP_COSTS[key] = best
+        for m in best:
+          t0 = time.perf_counter()
+          _, iters = jax.block_until_ready(self.segment(state, probe, bucket, k, window, m, 0))
+          best[m] = min(best[m], (time.perf_counter() - t0, int(iters)))
+      (t1, i1), (t2, i2) = best[n], best[2 * n]
+      slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else t2 / max(i2, 1)
+      _STEP_COSTS[key] = slope
+      _SEGMENT_COSTS[key] = max(t2 - slope * i2, 0.0)
     return _STEP_COSTS[key]
 
   def cost(self, state, bucket: int, k: int, longest: int) -> float:
