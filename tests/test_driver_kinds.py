@@ -93,7 +93,9 @@ def test_rl_zero_runs_draft_model_and_mtp_on_the_embedded_default(kind, tmp_path
                 embedded_cache, "--base.steps", "1", "--base.examples", "16",
                 "--base.batch-size", "4", "--rl.model.hidden-size", "32", "--rl.model.num-heads",
                 "2", "--rl.model.head-dim", "16", "--rl.model.mlp-hidden", "64",
-                "--rl.task.operands", "3", *TINY, "--rl.steps", "1", "--rl.draft.no-online"])
+                "--rl.task.operands", "3", "--base.pretrain-layers", "0",
+                "--base.pretrain-mlp-hidden", "0", *TINY, "--rl.steps", "1",
+                "--rl.draft.no-online"])
   assert os.path.isfile(tmp_path / "rl_zero" / "summary.json")
 
 

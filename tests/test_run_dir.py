@@ -24,8 +24,10 @@ TINY = ["--base.steps", "2", "--base.examples", "32", "--base.batch-size", "8",
         "--draft-init.steps", "2", "--draft-init.prompts", "8", "--draft-init.batch-size", "4",
         "--rl.steps", "1", "--rl.prompts-per-step", "2", "--rl.grpo.group-size", "2",
         "--rl.rollout.max-new-tokens", "2", "--rl.no-progress", "--rl.no-tensorboard",
-        "--rl.model.hidden-size", "16", "--rl.model.num-layers", "3", "--rl.model.mlp-hidden", "32",
+        "--rl.model.hidden-size", "16", "--rl.model.num-layers", "4", "--rl.model.mlp-hidden", "32",
         "--rl.model.num-heads", "2", "--rl.model.num-kv-heads", "1", "--rl.model.head-dim", "8",
+        "--rl.model.aux-layers", "1", "2", "3", "--base.pretrain-layers", "0",
+        "--base.pretrain-mlp-hidden", "0",
         "--rl.validation.every", "0"]
 
 
