@@ -19,7 +19,32 @@ _TRAIN, _VALID = 0, 1  # independent random streams
 STEP_CHARS = 6  # "a+x=r,"
 
 
-class ChainTask(Task):
+class ScratchpadTask(Task):
+  """A task whose completion is a scratchpad ending in "#<answer>": examples from two independent
+  random streams (training, validation) by `_make(stream, index)`; the reward is the answer after
+  the last "#" (plus `format_reward`). Subclasses write `_make` and the length bounds."""
+
+  def _make(self, stream: int, index: int) -> Example:
+    raise NotImplementedError
+
+  def example(self, index: int) -> Example:
+    return self._make(_TRAIN, index)
+
+  def validation(self, n: int) -> list[Example]:
+    return [self._make(_VALID, i) for i in range(n)]
+
+  @staticmethod
+  def scratchpad(example: Example) -> str:
+    return example.meta["scratchpad"]
+
+  def score(self, completion: str, example: Example) -> Score:
+    if "#" not in completion:
+      return Score(reward=0.0, correct=False)
+    correct = completion.rsplit("#", 1)[1].strip() == example.answer
+    return Score(reward=float(correct) + self.cfg.format_reward, correct=correct)
+
+
+class ChainTask(ScratchpadTask):
   name = "chain"
 
   def __init__(self, cfg: TaskConfig = TaskConfig(operands=25), tokenizer=None):
@@ -43,21 +68,6 @@ class ChainTask(Task):
     return Example(prompt="+".join(map(str, xs)) + "=", answer=str(acc),
                    meta={"operands": xs, "scratchpad": ",".join(steps) + f"#{acc}"})
 
-  def example(self, index: int) -> Example:
-    return self._make(_TRAIN, index)
-
-  def validation(self, n: int) -> list[Example]:
-    return [self._make(_VALID, i) for i in range(n)]
-
-  @staticmethod
-  def scratchpad(example: Example) -> str:
-    return example.meta["scratchpad"]
-
-  def score(self, completion: str, example: Example) -> Score:
-    if "#" not in completion:
-      return Score(reward=0.0, correct=False)
-    correct = completion.rsplit("#", 1)[1].strip() == example.answer
-    return Score(reward=float(correct) + self.cfg.format_reward, correct=correct)
 
   @property
   def max_completion_len(self) -> int:

@@ -25,9 +25,9 @@ import string
 import numpy as np
 
 from specjax.rl.config import TaskConfig
-from specjax.rl.tasks import Example, Score, Task
+from specjax.rl.tasks import Example
+from specjax.rl.tasks.chain import ScratchpadTask
 
-_TRAIN, _VALID = 0, 1  # independent random streams
 LABELS = string.ascii_lowercase
 MAX_STEPS = len(LABELS)
 STEP_CHARS = 7  # "c3+5=8,"
@@ -42,7 +42,7 @@ def trace_text(a: int, b: int, steps: int) -> str:
   return ",".join(out) + f"#{b}"
 
 
-class TraceTask(Task):
+class TraceTask(ScratchpadTask):
   name = "trace"
 
   def __init__(self, cfg: TaskConfig = TaskConfig(operands=MAX_STEPS), tokenizer=None):
@@ -64,21 +64,6 @@ class TraceTask(Task):
     return Example(prompt=prompt, answer=text.rsplit("#", 1)[1],
                    meta={"steps": n, "scratchpad": text[len(prompt):]})
 
-  def example(self, index: int) -> Example:
-    return self._make(_TRAIN, index)
-
-  def validation(self, n: int) -> list[Example]:
-    return [self._make(_VALID, i) for i in range(n)]
-
-  @staticmethod
-  def scratchpad(example: Example) -> str:
-    return example.meta["scratchpad"]
-
-  def score(self, completion: str, example: Example) -> Score:
-    if "#" not in completion:
-      return Score(reward=0.0, correct=False)
-    correct = completion.rsplit("#", 1)[1].strip() == example.answer
-    return Score(reward=float(correct) + self.cfg.format_reward, correct=correct)
 
   @property
   def max_completion_len(self) -> int:
