@@ -230,6 +230,8 @@ def compiled_programs() -> int:
 _STEP_COSTS: dict[tuple, float] = {}
 # the same key -> the fixed cost of running a segment of that program (seconds, for the record)
 _SEGMENT_COSTS: dict[tuple, float] = {}
+# (graphdef, drafter, cfg, cache_size, mesh, engine, buckets) whose programs are all compiled
+_PREPARED: set[tuple] = set()
 # (drafter, cfg) -> running acceptance of that drafter at that sampling config, across rollouts
 _ESTIMATES: dict[tuple, AcceptanceEstimate] = {}
 
@@ -245,6 +247,7 @@ def clear_calibration() -> None:
   """Forget measured step costs and acceptance estimates (e.g. between benchmark settings)."""
   _STEP_COSTS.clear()
   _SEGMENT_COSTS.clear()
+  _PREPARED.clear()
   _ESTIMATES.clear()
 
 
@@ -329,6 +332,27 @@ class _Run:
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
                           {k: costs[k] for k in choices}, live, self.engine.min_gain)
 
+  def prepare_buckets(self, state, buckets: list[int]) -> None:
+    """Compile (adaptive: calibrate every K of) each smaller bucket's program now, on the first
+    rows of the prefilled state (the results are discarded), so that a bucket the first rollouts
+    never reach does not compile inside a later one: after the first rollout of a run, nothing
+    compiles. Programs already compiled, and costs already measured, are reused."""
+    key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, self.engine,
+           tuple(buckets))
+    if len(buckets) < 2 or key in _PREPARED:
+      return
+    _PREPARED.add(key)
+    prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
+    for b in buckets[1:]:
+      sub = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
+      if self.engine.adaptive and len(self.k_choices) > 1:
+        for k in self.k_choices:
+          self.cost(sub, b, k, prompt_len)
+      else:
+        k = self.k_choices[0]
+        window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
+        jax.block_until_ready(self.segment(sub, jax.random.key(0), b, k, window, 0, 0))
+
   def run(self, prompts, prompt_lengths, key) -> Rollout:
     batch = prompts.shape[0]
     dp = data_parallel_size(self.mesh)
@@ -341,6 +365,7 @@ class _Run:
     state = _init_jit(self.graphdef, self.params, init_drafter, self.drafter_params, prompts,
                       prompt_lengths, key_prefill, cfg=self.cfg, cache_size=self.cache_size,
                       max_draft_len=max(self.k_max, 1), mesh=self.mesh)
+    self.prepare_buckets(state, buckets)
     out, bucket, total_steps = state, batch, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
     last_k = {}
