@@ -31,23 +31,11 @@ def _is_compile_step(records: list[dict], i: int) -> bool:
   return bool(r["perf/compile_step"]) if "perf/compile_step" in r else i == 0
 
 
-def _buckets(record: dict) -> set[str]:
-  """Live-batch buckets a step's rollout ran in (engine/steps_b<bucket>_k<K> keys)."""
-  return {k.split("_k")[0] for k in record if k.startswith("engine/steps_b")}
-
-
 def compile_mask(steps: list[dict]) -> list[bool]:
-  """Steps that compiled: the loop's compile steps, and steps whose rollout first reached a
-  live-batch bucket (the engine compiles and calibrates every K of a bucket on its first visit:
-  on a CPU that is seconds to a minute inside one rollout, which would swamp the per-step
-  means of a 30-step run). Totals keep every step."""
-  seen: set[str] = set()
-  out = []
-  for i in range(len(steps)):
-    new = _buckets(steps[i]) - seen
-    seen |= _buckets(steps[i])
-    out.append(_is_compile_step(steps, i) or (i > 0 and bool(new)))
-  return out
+  """Steps that compiled: the loop marks each process's first step (`perf/compile_step`); the
+  rollout engine compiles and calibrates every live-batch bucket in that step's rollout, so no
+  later step compiles. Totals keep every step."""
+  return [_is_compile_step(steps, i) for i in range(len(steps))]
 
 
 def _mean_after_compile(values: list[float], compile_mask: list[bool]) -> float:
@@ -205,8 +193,8 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
       "name": cfg.name, "wall_time_s": wall_s, "initial_validation": initial or {},
       "runs": stats, "config": dataclasses.asdict(cfg),
       "notes": ("times are means per step without the compile steps (the first step of every "
-                "process segment: a resumed run compiles again; steps whose rollout first "
-                "reached a live-batch bucket); speedup = AR time / speculative time, summed over "
+                "process segment: a resumed run compiles again); "
+                "speedup = AR time / speculative time, summed over "
                 "the steps that compiled in neither run (same steps, same prompts)"),
   }
   if "ar" in stats and "spec" in stats:
