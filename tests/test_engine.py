@@ -168,6 +168,26 @@ def test_new_params_reuse_every_compiled_program(target):
   assert eng.compiled_programs() == before
 
 
+def test_after_the_first_rollout_no_bucket_path_compiles_anything(target):
+  """Compaction's programs (gather, summary, write-back, segment) exist once per bucket and are
+  all compiled in the first rollout, whichever buckets its rows pass through; sampled rollouts
+  then take other paths (8 -> 2, 4 -> 1, ...) without compiling."""
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  engine = EngineConfig(adaptive=False)
+  jax.clear_caches()
+  eng.clear_calibration()
+  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
+                           engine=engine)
+  jax.block_until_ready(run(0).tokens)
+  before = eng.compiled_programs()
+  paths = set()
+  for i in range(1, 7):
+    out = run(i)
+    paths.add(tuple(s.bucket for s in out.segments))
+  assert eng.compiled_programs() == before
+  assert len(paths) > 1, paths  # the rollouts did take different paths
+
+
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 4, 2)])
 def test_sharded_generation_equals_one_device_with_rows_sharded(target, static_ar, shape):
   mesh = make_mesh(MeshConfig(*shape))

@@ -210,7 +210,7 @@ def _summary(state: EngineState):
   counts = state.counts.pooled()
   return (live, jnp.where(live, state.seq.lengths, 0),
           jnp.sum(jnp.where(state.row_ids >= 0, state.lengths, 0)),
-          counts.num_drafts, counts.accepted_per_position)
+          counts.num_drafts, counts.accepted_per_position, state.row_ids)
 
 
 @jax.jit
@@ -221,8 +221,9 @@ def _write_back(out: EngineState, state: EngineState) -> EngineState:
 
 
 def compiled_programs() -> int:
-  """Programs the engine has compiled in this process (segments and prefills)."""
-  return _segment_jit._cache_size() + _init_jit._cache_size()
+  """Programs the engine has compiled in this process (prefills, segments, and compaction's
+  gathers, summaries and write-backs)."""
+  return sum(f._cache_size() for f in (_init_jit, _segment_jit, _take_jit, _summary, _write_back))
 
 
 # (graphdef, drafter, cfg, cache_size, mesh, bucket, K) -> seconds per step, measured once per
@@ -344,7 +345,9 @@ class _Run:
     _PREPARED.add(key)
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
     for b in buckets[1:]:
+      # what compaction to bucket b runs: gather from the full batch, summary, write-back
       sub = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
+      jax.block_until_ready((_summary(sub), _write_back(state, sub)))
       if self.engine.adaptive and len(self.k_choices) > 1:
         for k in self.k_choices:
           self.cost(sub, b, k, prompt_len)
@@ -372,20 +375,22 @@ class _Run:
     # one host round trip per segment: the summary after a segment is the next one's "before"
     summary = jax.device_get(_summary(state))
     while True:
-      live_mask, seq_lengths, tokens_before, drafts0, acc0 = summary
+      live_mask, seq_lengths, tokens_before, drafts0, acc0, row_ids = summary
       live = int(live_mask.sum())
       if live == 0:
         break
       fits = [b for b in buckets if b >= live]
       if compact and fits[-1] < bucket:  # gather the live rows into the smallest bucket
+        # from the full batch (brought up to date first): one gather program per bucket, which
+        # `prepare_buckets` compiles, whichever bucket the rows come from
         out = _write_back(out, state)
-        rows = np.flatnonzero(live_mask)
+        rows = row_ids[np.flatnonzero(live_mask)]
         new = fits[-1]
         idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
         pad = np.arange(new) >= live
-        state, bucket = _take_jit(state, jnp.asarray(idx), jnp.asarray(pad)), new
+        state, bucket = _take_jit(out, jnp.asarray(idx), jnp.asarray(pad)), new
         # token and acceptance counts now cover only the rows in the bucket
-        live_mask, seq_lengths, tokens_before, drafts0, acc0 = jax.device_get(_summary(state))
+        live_mask, seq_lengths, tokens_before, drafts0, acc0, _ = jax.device_get(_summary(state))
       longest = int(seq_lengths.max())
       k, expected = self.choose_k(state, bucket, live, longest)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
@@ -405,7 +410,7 @@ class _Run:
       state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
                                   bucket, k, window, max_iters, stop_at_live)
       summary = jax.device_get(_summary(state))
-      _, _, tokens_after, drafts1, acc1 = summary
+      _, _, tokens_after, drafts1, acc1, _ = summary
       seconds = time.perf_counter() - t0
       iters = int(iters)
       total_steps += iters
