@@ -280,8 +280,10 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
 
   d = cfg.draft_init
   graphdef, params = nnx.split(policy)
-  key = _digest("draft", d, cfg.rl.draft, cfg.rl.rollout, cfg.rl.task, policy.cfg,
-                _fingerprint(params))
+  # the rollouts' sampling settings, not the engine's (compaction, train widths): those do not
+  # change what the head is trained on
+  key = _digest("draft", d, cfg.rl.draft, sampling_config(cfg.rl, tokenizer), cfg.rl.task,
+                policy.cfg, _fingerprint(params))
   path = os.path.join(cfg.cache_dir, f"eagle3-{key}")
   if os.path.isdir(path) and not cfg.fresh:
     log(f"[draft] cached EAGLE-3 head {path}")
@@ -362,7 +364,8 @@ def build_mtp_module(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
 
   d = cfg.draft_init
   trunk = nnx.state(policy, nnx.Not(nnx.PathContains("mtp")))
-  key = _digest("mtp", d, cfg.rl.rollout, cfg.rl.task, policy.cfg, _fingerprint(trunk))
+  key = _digest("mtp", d, sampling_config(cfg.rl, tokenizer), cfg.rl.task, policy.cfg,
+                _fingerprint(trunk))
   path = os.path.join(cfg.cache_dir, f"mtp-{key}")
   file = os.path.join(path, "mtp.safetensors")
   if not (os.path.isfile(file) and not cfg.fresh):

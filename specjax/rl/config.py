@@ -129,6 +129,11 @@ class RolloutConfig:
   compaction: bool = True
   min_bucket: int = 1
   window_block: int = 0
+  # the train batch is cut to its longest row (prompt + completion) rounded up to
+  # train_width_block * 2^j tokens (while that saves a quarter of the full prompt +
+  # max_new_tokens width), not the full width: long-tailed completions train at the width they
+  # use. The first step compiles the train step at every width; 0 trains at the full width
+  train_width_block: int = 32
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -140,6 +145,8 @@ class RolloutConfig:
     _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
     _check(self.min_bucket >= 1, f"{w}.min_bucket", f"must be >= 1, got {self.min_bucket}")
     _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
+    _check(self.train_width_block >= 0, f"{w}.train_width_block",
+           f"must be >= 0 (0: the full width), got {self.train_width_block}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,8 @@ from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.metrics_log import METRICS_FILE, MetricsLogger, truncate_metrics
 from specjax.rl.rollout import (RolloutEngine, acceptance_summary, build_drafter,
-                                decode_completions, pad_prompts, sequence_arrays)
+                                decode_completions, pad_prompts, resize_columns, sequence_arrays,
+                                train_widths)
 from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names,
                                state_donated)
 from specjax.rl.tasks import Task, compute_rewards, make_task
@@ -46,6 +47,7 @@ class RLRun:
   ref_params: Any  # frozen reference policy (beta > 0), else None
   prompt_width: int
   mesh: Any = None
+  widths_warm: bool = False  # the train step is compiled at every train width (`warm_widths`)
 
 
 def _policy_split(policy) -> tuple[Any, Any]:
@@ -84,6 +86,22 @@ def prompt_width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
   return -(-longest // 32) * 32  # buckets of 32 keep the number of compiled shapes small
 
 
+def warm_widths(run: RLRun, full: int, width: int, train_at: Callable[[int], Any],
+                timer: PhaseTimer) -> None:
+  """Compile the train step at every width a batch of padded width `full` can be cut to
+  (RolloutConfig.train_width_block), other than `width` (this step's): `train_at(w)` runs a
+  throw-away step on this step's batch resized to w (timed as phase "warm"). Done once per
+  process, in its first step (a step the reports leave out), so no later step compiles."""
+  if run.widths_warm:
+    return
+  run.widths_warm = True
+  others = [w for w in train_widths(full, run.cfg.rollout.train_width_block) if w != width]
+  if others:
+    with timer.phase("warm"):
+      for w in others:
+        jax.block_until_ready(train_at(w))
+
+
 def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_position: int,
             timer: PhaseTimer) -> tuple[TrainState, dict, list[str]]:
   """One synchronous RL step. Returns (new state, metrics, reward-function error messages).
@@ -111,7 +129,7 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
     adv = group_advantages(rewards.rewards, g, cfg.grpo.adv_mode, cfg.grpo.adv_eps)
   bad = nonfinite_names(rewards=rewards.rewards, advantages=adv)
   with timer.phase("logprob") as p:
-    tokens, mask, sampler_lp = sequence_arrays(rollout)
+    tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.rollout.train_width_block)
     # one optimizer step on this batch: old logprobs == the policy's own, no separate pass
     batch, mismatch = p.sync(build_train_batch(run.trainer, state, run.ref_params, tokens, mask,
                                                sampler_lp, adv, on_policy=cfg.minibatches == 1))
@@ -124,10 +142,21 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
     train_metrics = {k: float(v) for k, v in jax.device_get(train_metrics).items()}
     bad = nonfinite_names(**{k: v for k, v in train_metrics.items() if not k.startswith("lr/")})
     state = new_state if not bad or cfg.max_bad_steps == 0 else state
+  donate = cfg.max_bad_steps == 0
+
+  def train_at(w: int):  # warm_widths: a throw-away update (donated: of a copy of the state)
+    b, _ = build_train_batch(run.trainer, state, run.ref_params, resize_columns(tokens, w),
+                             resize_columns(mask, w), resize_columns(sampler_lp, w), adv,
+                             on_policy=cfg.minibatches == 1)
+    return run.trainer.train_on_batch(jax.tree.map(jnp.copy, state) if donate else state, b,
+                                      donate=donate)
+
+  warm_widths(run, rollout.sequences.shape[1], tokens.shape[1], train_at, timer)
   metrics = {
       **rollout_metrics(rollout, rewards, g, data_position + n_prompts, cut),
       **{k: float(v) for k, v in jax.device_get(mismatch).items()},
       **train_metrics,
+      "train/width": int(tokens.shape[1]),
   }
   if bad:
     metrics[NONFINITE_KEY] = bad

@@ -109,11 +109,41 @@ def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int,
   return np.repeat(out, repeat, axis=0), np.repeat(lengths, repeat), cut
 
 
-def sequence_arrays(rollout: Rollout) -> tuple[jax.Array, jax.Array, jax.Array]:
+def train_widths(full: int, block: int) -> list[int]:
+  """The widths a train batch of padded width `full` can be cut to, ascending: `block` * 2^j
+  while that saves at least a quarter of `full`, then `full` itself (`block` 0: `full` only)."""
+  out = []
+  w = block
+  while 0 < w and 4 * w <= 3 * full:
+    out.append(w)
+    w *= 2
+  return out + [full]
+
+
+def train_width(full: int, longest: int, block: int) -> int:
+  """Width of a train batch whose longest row holds `longest` tokens: the smallest of
+  `train_widths(full, block)` that holds it."""
+  return next(w for w in train_widths(full, block) if w >= longest or w == full)
+
+
+def resize_columns(x: jax.Array, width: int) -> jax.Array:
+  """[B, S] -> [B, width]: cut, or padded with zeros (masked columns in a train batch)."""
+  if x.shape[1] >= width:
+    return x[:, :width]
+  return jnp.pad(x, ((0, 0), (0, width - x.shape[1])))
+
+
+def sequence_arrays(rollout: Rollout, width_block: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
   """(tokens [B, S], loss mask float32[B, S] on completion tokens, sampler logprobs [B, S]) in the
-  sequence layout of the train batch (position j holds token j)."""
+  sequence layout of the train batch (position j holds token j). `width_block` > 0 cuts S to
+  the longest row (prompt + completion) rounded up by `train_width`; the columns cut hold only
+  padding, and a causal policy's logprobs of the kept columns do not depend on them."""
   tokens = rollout.sequences
   s = tokens.shape[1]
+  if width_block:
+    longest = int(np.max(np.asarray(jax.device_get(rollout.prompt_lengths + rollout.lengths))))
+    s = train_width(s, longest, width_block)
+    tokens = tokens[:, :s]
   j = jnp.arange(s)[None, :]
   start = rollout.prompt_lengths[:, None]
   mask = (j >= start) & (j < start + rollout.lengths[:, None])

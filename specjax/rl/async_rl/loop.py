@@ -19,8 +19,9 @@ from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.loop import (Hook, RLRun, checkpoint_saver, close_run, finish_step, open_run,
-                             prompt_width, setup_run, write_pending)
-from specjax.rl.rollout import RolloutEngine, decode_completions, pad_prompts, sequence_arrays
+                             prompt_width, setup_run, warm_widths, write_pending)
+from specjax.rl.rollout import (RolloutEngine, decode_completions, pad_prompts, resize_columns,
+                                sequence_arrays)
 from specjax.rl.safety import NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
 from specjax.rl.timing import PhaseTimer, format_summary
@@ -41,6 +42,7 @@ class ScoredRollout:
   rewards: RewardBatch
   metrics: dict
   times: dict
+  full_width: int = 0  # the rollout's padded width (prompt + max_new_tokens) before the cut
 
 
 class WeightPush:
@@ -99,14 +101,16 @@ def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Arr
     clock.lap("data", (prompts, lengths))
     key = jax.random.fold_in(jax.random.fold_in(base_key, index), 0)
     rollout = engine.generate(policy, drafter_params, prompts, lengths, key)
-    tokens, mask, sampler_lp = sequence_arrays(rollout)
+    tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.rollout.train_width_block)
     clock.lap("gen", (rollout, tokens, mask, sampler_lp))
     texts = decode_completions(tok, rollout)
     rewards = compute_rewards(task.score, texts, [e for e in examples for _ in range(g)])
     metrics = rollout_metrics(rollout, rewards, g, position + n, cut)
     metrics["gen/tokens_per_s"] = metrics["gen/tokens"] / max(clock.times["gen"], 1e-9)
+    metrics["train/width"] = int(tokens.shape[1])
     clock.lap("reward")
-    return ScoredRollout(tokens, mask, sampler_lp, rewards, metrics, clock.times)
+    return ScoredRollout(tokens, mask, sampler_lp, rewards, metrics, clock.times,
+                         rollout.sequences.shape[1])
 
   return produce
 
@@ -172,6 +176,14 @@ def async_step(run: RLRun, async_cfg: AsyncConfig, state: TrainState, step: int,
   bad += nonfinite_names(**{k: v for k, v in train_metrics.items() if not k.startswith("lr/")})
   if not bad or run.cfg.max_bad_steps == 0:  # a bad step keeps the previous state
     state = new_state
+  def train_at(w: int):  # warm_widths: a throw-away update
+    cut = dataclasses.replace(scored, tokens=resize_columns(scored.tokens, w),
+                              loss_mask=resize_columns(scored.loss_mask, w),
+                              sampler_logprobs=resize_columns(scored.sampler_logprobs, w))
+    return run.trainer.train_on_batch(state, train_batch(run, async_cfg, state, cut)[0])
+
+  warm_widths(run, scored.full_width or scored.tokens.shape[1], scored.tokens.shape[1], train_at,
+              timer)
   if step + 1 < run.cfg.steps:
     with timer.phase("weight_sync") as p:
       gen_params = p.sync(push(state))
