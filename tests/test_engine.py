@@ -168,16 +168,18 @@ def test_new_params_reuse_every_compiled_program(target):
   assert eng.compiled_programs() == before
 
 
-def test_after_the_first_rollout_no_bucket_path_compiles_anything(target):
+@pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
+def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_key):
   """Compaction's programs (gather, summary, write-back, segment) exist once per bucket and are
   all compiled in the first rollout, whichever buckets its rows pass through; sampled rollouts
-  then take other paths (8 -> 2, 4 -> 1, ...) without compiling."""
+  then take other paths (8 -> 2, 4 -> 1, ...) without compiling. Also with the raw uint32 keys
+  the RL loop passes (a segment taking a raw key is another program than one taking a typed
+  key)."""
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   engine = EngineConfig(adaptive=False)
   jax.clear_caches()
   eng.clear_calibration()
-  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
-                           engine=engine)
+  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, make_key(i), sampled, engine=engine)
   jax.block_until_ready(run(0).tokens)
   before = eng.compiled_programs()
   paths = set()

@@ -297,7 +297,7 @@ class _Run:
     key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
     if key not in _STEP_COSTS:
       n = self.engine.calibration_iters
-      probe = jax.random.key(0)
+      probe = self.probe_key
       jax.block_until_ready(self.segment(state, probe, bucket, k, window, n, 0))
       best = {n: (float("inf"), 0), 2 * n: (float("inf"), 0)}
       for _ in range(self.engine.calibration_repeats):
@@ -354,7 +354,7 @@ class _Run:
       else:
         k = self.k_choices[0]
         window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
-        jax.block_until_ready(self.segment(sub, jax.random.key(0), b, k, window, 0, 0))
+        jax.block_until_ready(self.segment(sub, self.probe_key, b, k, window, 0, 0))
 
   def run(self, prompts, prompt_lengths, key) -> Rollout:
     batch = prompts.shape[0]
@@ -365,6 +365,9 @@ class _Run:
     init_drafter = None if self.drafter is None else \
         dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
     key_prefill, key_loop = jax.random.split(key)
+    # calibration and bucket preparation run segments with a key of the caller's kind (a typed
+    # key or raw uint32[2]: they are different programs), so they compile what the run uses
+    self.probe_key = jax.random.fold_in(key_loop, 2**31 - 1)
     state = _init_jit(self.graphdef, self.params, init_drafter, self.drafter_params, prompts,
                       prompt_lengths, key_prefill, cfg=self.cfg, cache_size=self.cache_size,
                       max_draft_len=max(self.k_max, 1), mesh=self.mesh)
