@@ -25,7 +25,9 @@ keys): ar_static (the plain full-batch loop), ar_compact (live-batch compaction)
 bucket); the first drafter's arms are named spec_static / spec_adaptive. --no-accept adds a
 random target (init std 0.02, near-uniform) whose n-gram drafts are never accepted, at batch 1, 8,
 32: adaptivity must cost nothing there. Every arm runs once untimed (compiles, calibrates), then
---repeats timed runs (median). Prints tables, writes JSON. Asserts nothing.
+--repeats rounds in which each arm runs once in turn (interleaved: a drift in the machine's
+speed hits every arm alike); medians, and paired per-round ratios. Prints tables, writes JSON.
+Asserts nothing.
 """
 
 from __future__ import annotations
@@ -215,19 +217,30 @@ def choose_eos(a, target, rng) -> tuple[tuple[int, ...], dict]:
   return tuple(eos), q
 
 
-def timed_runs(fn, repeats: int) -> tuple[list[float], object, int, list[int]]:
-  """Untimed first run (compile + calibration), then `repeats` timed runs. Returns (seconds of
-  the timed runs, last rollout, programs compiled during the timed runs, tokens of each run)."""
-  jax.block_until_ready(fn(0).tokens)
-  before = eng.compiled_programs()
-  times, out, tokens = [], None, []
+def interleaved_runs(arms: dict, repeats: int) -> dict:
+  """Every arm once untimed (compiles, calibrates), then `repeats` rounds that time each arm once
+  in turn: a change in the machine's speed during the benchmark lands on every arm alike, and the
+  rounds pair the arms' times. Returns {arm: (seconds per round, last rollout, programs compiled
+  during its timed runs, tokens per round)}."""
+  for fn in arms.values():
+    jax.block_until_ready(fn(0).tokens)
+  runs = {name: ([], None, 0, []) for name in arms}
   for i in range(repeats):
-    t0 = time.perf_counter()
-    out = fn(i + 1)
-    jax.block_until_ready(out.tokens)
-    times.append(time.perf_counter() - t0)
-    tokens.append(int(np.asarray(out.lengths).sum()))
-  return times, out, eng.compiled_programs() - before, tokens
+    for name, fn in arms.items():
+      times, _, compiled, tokens = runs[name]
+      before = eng.compiled_programs()
+      t0 = time.perf_counter()
+      out = fn(i + 1)
+      jax.block_until_ready(out.tokens)
+      times.append(time.perf_counter() - t0)
+      tokens.append(int(np.asarray(out.lengths).sum()))
+      runs[name] = (times, out, compiled + eng.compiled_programs() - before, tokens)
+  return runs
+
+
+def paired_ratio(base: dict, arm: dict) -> float:
+  """Median over rounds of base time / arm time (`interleaved_runs` pairs them by round)."""
+  return statistics.median(b / x for b, x in zip(base["rollout_s_all"], arm["rollout_s_all"]))
 
 
 def arm_record(times, out, compiled, tokens) -> dict:
@@ -266,14 +279,13 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log)
     arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params: speculative_generate(
         target, d, p, prompts, lens, key(i), cfg, draft_len=a.max_draft_len,
         engine=EngineConfig(max_draft_len=a.max_draft_len))
-  out = {}
-  for name, fn in arms.items():
-    t0 = time.perf_counter()
-    rec = arm_record(*timed_runs(fn, a.repeats))
-    out[name] = rec
+  t0 = time.perf_counter()
+  out = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
+  for name, rec in out.items():
     log(f"  {name:18s} {rec['rollout_s']:7.3f} s  {rec['tokens_per_s']:7.1f} tok/s  "
-        f"acc.len {rec['acceptance_length']:.2f}  "
-        f"K/bucket {rec['k_per_bucket']}  ({time.perf_counter() - t0:.0f} s with warm-up)")
+        f"acc.len {rec['acceptance_length']:.2f}  K/bucket {rec['k_per_bucket']}")
+  log(f"  ({len(arms)} arms x (1 untimed + {a.repeats} timed runs, interleaved) in "
+      f"{time.perf_counter() - t0:.0f} s)")
   return out
 
 
@@ -342,7 +354,7 @@ def no_accept(a, log) -> dict:
             target, drafter, (), toks, lens, key(i), cfg, draft_len=a.max_draft_len,
             engine=EngineConfig(max_draft_len=a.max_draft_len)),
     }
-    rows = {name: arm_record(*timed_runs(fn, a.repeats)) for name, fn in arms.items()}
+    rows = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
     for name, rec in rows.items():
       rec["vs_ar"] = rec["rollout_s"] / rows["ar"]["rollout_s"]
       log(f"  no-accept batch {b:3d} {name:14s} {rec['rollout_s']:7.3f} s  "
@@ -442,6 +454,8 @@ def main(argv=None) -> dict:
     if not spec.startswith("ar_"):
       ratios[f"{spec}_vs_ar_static"] = arms["ar_static"]["rollout_s"] / arms[spec]["rollout_s"]
       ratios[f"{spec}_vs_ar_compact"] = arms["ar_compact"]["rollout_s"] / arms[spec]["rollout_s"]
+      for base in ("ar_static", "ar_compact"):  # per round, then the median
+        ratios[f"{spec}_vs_{base}_paired"] = paired_ratio(arms[base], arms[spec])
   ratios["ar_compact_vs_ar_static"] = arms["ar_static"]["rollout_s"] / arms["ar_compact"]["rollout_s"]
   for name in arms:  # the same comparisons in tokens/s over all timed runs
     if name != "ar_static":

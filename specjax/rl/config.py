@@ -133,7 +133,7 @@ class RolloutConfig:
   # train_width_block * 2^j tokens (while that saves a quarter of the full prompt +
   # max_new_tokens width), not the full width: long-tailed completions train at the width they
   # use. The first step compiles the train step at every width; 0 trains at the full width
-  train_width_block: int = 32
+  train_width_block: int = 64
 
   def __post_init__(self):
     w = "RolloutConfig"
