@@ -209,3 +209,30 @@ def test_sharded_generation_equals_one_device_with_rows_sharded(target, static_a
     assert spec and spec[0] is not None, f"rows replicated: {spec}"
     assert len(x.addressable_shards) == 8
     assert x.addressable_shards[0].data.shape[0] == 8 // dp
+
+
+def test_segments_refine_the_calibrated_step_costs(target):
+  """Each segment moves its (bucket, K) step cost toward the seconds per step it measured (its
+  calibrated fixed cost taken off), with weight iterations / (iterations + cost_memory); costs
+  of programs no segment ran keep their startup calibration."""
+  eng.clear_calibration()
+  engine = EngineConfig(cost_memory=16.0)
+  out = speculative_generate(target, NgramDrafter(draft_len=2, n=2), (), PROMPTS, PROMPT_LENGTHS,
+                             jax.random.key(1), GREEDY, engine=engine)
+  table = {(r["bucket"], r["draft_len"]): r for r in eng.calibration_table()}
+  cost = {bk: r["calibrated_step_s"] for bk, r in table.items()}
+  steps = dict.fromkeys(table, 0)
+  for s in out.segments:
+    bk = (s.bucket, s.draft_len)
+    if s.iterations:
+      per_step = max(s.seconds - table[bk]["segment_s"], 0.0) / s.iterations
+      w = s.iterations / (s.iterations + engine.cost_memory)
+      cost[bk] = (1 - w) * cost[bk] + w * per_step
+      steps[bk] += s.iterations
+  assert sum(steps.values()) == int(out.num_steps) > 0
+  for bk, r in table.items():
+    assert r["steps_measured"] == steps[bk], bk
+    assert r["step_s"] == pytest.approx(cost[bk], rel=1e-9), bk
+  assert any(r["step_s"] != r["calibrated_step_s"] for r in table.values())
+  assert any(r["steps_measured"] == 0 and r["step_s"] == r["calibrated_step_s"]
+             for r in table.values())

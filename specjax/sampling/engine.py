@@ -11,8 +11,10 @@ verified exactly as in the static loop: the output keeps the target's distributi
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
+import os
 import time
 
 import jax
@@ -47,6 +49,10 @@ class EngineConfig:
   estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
   calibration_iters: int = 3  # n: segments of n and 2n timed steps per (bucket, K) at startup ...
   calibration_repeats: int = 3  # ... timed this many times, the fastest kept (load noise)
+  # in-run refinement: each segment's measured seconds per step move its (bucket, K) cost toward
+  # them with weight iterations / (iterations + cost_memory) (0: keep the startup calibration)
+  cost_memory: float = 64.0
+  compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
   min_gain: float = 0.05  # draft only when expected tokens/s beat plain AR by this fraction
@@ -72,6 +78,9 @@ class EngineConfig:
           f"must be >= 1, got {self.calibration_iters}")
     check(self.calibration_repeats >= 1, "calibration_repeats",
           f"must be >= 1, got {self.calibration_repeats}")
+    check(self.cost_memory >= 0, "cost_memory", f"must be >= 0, got {self.cost_memory}")
+    check(self.compile_threads >= 0, "compile_threads",
+          f"must be >= 0, got {self.compile_threads}")
     check(0 < self.prior_acceptance < 1, "prior_acceptance",
           f"must be in (0, 1), got {self.prior_acceptance}")
     check(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight}")
@@ -229,8 +238,10 @@ def compiled_programs() -> int:
 # (graphdef, drafter, cfg, cache_size, mesh, bucket, K) -> seconds per step, measured once per
 # process (a run's startup calibration, reused by every later rollout of the run)
 _STEP_COSTS: dict[tuple, float] = {}
-# the same key -> the fixed cost of running a segment of that program (seconds, for the record)
+# the same key -> the fixed cost of running a segment of that program (seconds)
 _SEGMENT_COSTS: dict[tuple, float] = {}
+# the same key -> [startup calibration of the step cost, steps measured in rollouts since]
+_CALIBRATED: dict[tuple, list] = {}
 # (graphdef, drafter, cfg, cache_size, mesh, engine, buckets) whose programs are all compiled
 _PREPARED: set[tuple] = set()
 # (drafter, cfg) -> running acceptance of that drafter at that sampling config, across rollouts
@@ -238,9 +249,12 @@ _ESTIMATES: dict[tuple, AcceptanceEstimate] = {}
 
 
 def calibration_table() -> list[dict]:
-  """The measured costs: [{"bucket", "draft_len", "step_s", "segment_s"}]: seconds per step and
-  the fixed seconds per segment of each (bucket, K) program (every entry measured)."""
-  return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": _SEGMENT_COSTS.get(k)}
+  """The measured costs: [{"bucket", "draft_len", "step_s", "segment_s", "calibrated_step_s",
+  "steps_measured"}]: seconds per step the engine now uses (the startup calibration refined by
+  the segments of later rollouts), the fixed seconds per segment, the startup figure, and how many
+  in-rollout steps refined it."""
+  return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": _SEGMENT_COSTS.get(k),
+           "calibrated_step_s": _CALIBRATED[k][0], "steps_measured": _CALIBRATED[k][1]}
           for k, v in _STEP_COSTS.items()]
 
 
@@ -248,6 +262,7 @@ def clear_calibration() -> None:
   """Forget measured step costs and acceptance estimates (e.g. between benchmark settings)."""
   _STEP_COSTS.clear()
   _SEGMENT_COSTS.clear()
+  _CALIBRATED.clear()
   _PREPARED.clear()
   _ESTIMATES.clear()
 
@@ -294,7 +309,7 @@ class _Run:
     (dispatch, loop entry, the host round trip), which would otherwise weigh on cheap steps more
     than on dear ones. The fastest of `calibration_repeats` timings of each is kept, since load on
     the machine only ever adds time."""
-    key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
+    key = self.cost_key(bucket, k)
     if key not in _STEP_COSTS:
       n = self.engine.calibration_iters
       probe = self.probe_key
@@ -309,7 +324,24 @@ class _Run:
       slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else t2 / max(i2, 1)
       _STEP_COSTS[key] = slope
       _SEGMENT_COSTS[key] = max(t2 - slope * i2, 0.0)
+      _CALIBRATED[key] = [slope, 0]
     return _STEP_COSTS[key]
+
+  def cost_key(self, bucket: int, k: int) -> tuple:
+    return (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
+
+  def refine_cost(self, bucket: int, k: int, iters: int, seconds: float) -> None:
+    """Move the (bucket, K) step cost toward what a segment of the run measured: a startup
+    calibration times a few steps on the prompt's first positions and errs by tens of percent,
+    while the run's own segments time every step the engine takes. The segment's fixed cost
+    (measured at calibration) is taken off first; weight iterations / (iterations + memory)."""
+    key = self.cost_key(bucket, k)
+    if key not in _STEP_COSTS or iters <= 0 or self.engine.cost_memory <= 0:
+      return
+    per_step = max(seconds - _SEGMENT_COSTS.get(key, 0.0), 0.0) / iters
+    w = iters / (iters + self.engine.cost_memory)
+    _STEP_COSTS[key] = (1.0 - w) * _STEP_COSTS[key] + w * per_step
+    _CALIBRATED[key][1] += iters
 
   def cost(self, state, bucket: int, k: int, longest: int) -> float:
     """Seconds per step at (bucket, K), measured (every K the engine may pick is calibrated, so
@@ -334,27 +366,41 @@ class _Run:
                           {k: costs[k] for k in choices}, live, self.engine.min_gain)
 
   def prepare_buckets(self, state, buckets: list[int]) -> None:
-    """Compile (adaptive: calibrate every K of) each smaller bucket's program now, on the first
-    rows of the prefilled state (the results are discarded), so that a bucket the first rollouts
-    never reach does not compile inside a later one: after the first rollout of a run, nothing
-    compiles. Programs already compiled, and costs already measured, are reused."""
+    """Compile every program the run may use now, on the first rows of the prefilled state (the
+    results are discarded): each bucket's segment at every K adaptivity may pick, and compaction's
+    gather, summary and write-back, so that a bucket the first rollouts never reach does not
+    compile inside a later one: after the first rollout of a run, nothing compiles. The programs
+    compile `compile_threads` at a time (XLA compiles one program on one core, and a run has up to
+    buckets x (K + 1) of them); then (adaptive) each smaller bucket's K are calibrated, one at a
+    time. Programs already compiled, and costs already measured, are reused."""
     key = (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, self.engine,
            tuple(buckets))
-    if len(buckets) < 2 or key in _PREPARED:
+    if key in _PREPARED:
       return
     _PREPARED.add(key)
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
+    adaptive = self.engine.adaptive and len(self.k_choices) > 1
+    ks = self.k_choices if adaptive else self.k_choices[:1]
+    # what compaction to bucket b runs: gather from the full batch, summary, write-back
+    subs = {buckets[0]: state}
     for b in buckets[1:]:
-      # what compaction to bucket b runs: gather from the full batch, summary, write-back
-      sub = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
-      jax.block_until_ready((_summary(sub), _write_back(state, sub)))
-      if self.engine.adaptive and len(self.k_choices) > 1:
-        for k in self.k_choices:
-          self.cost(sub, b, k, prompt_len)
-      else:
-        k = self.k_choices[0]
+      subs[b] = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
+    jobs = [lambda s=subs[b]: (_summary(s), _write_back(state, s)) for b in buckets[1:]]
+    for b in buckets:
+      for k in ks:
         window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
-        jax.block_until_ready(self.segment(sub, self.probe_key, b, k, window, 0, 0))
+        jobs.append(lambda b=b, k=k, w=window: self.segment(subs[b], self.probe_key, b, k, w, 0,
+                                                            0))
+    threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
+    if threads > 1:
+      with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+        jax.block_until_ready(list(pool.map(lambda job: job(), jobs)))
+    else:
+      jax.block_until_ready([job() for job in jobs])
+    if adaptive:
+      for b in buckets[1:]:
+        for k in ks:
+          self.cost(subs[b], b, k, prompt_len)
 
   def run(self, prompts, prompt_lengths, key) -> Rollout:
     batch = prompts.shape[0]
@@ -399,7 +445,9 @@ class _Run:
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
-      if not (self.engine.adaptive and len(self.k_choices) > 1):
+      if not (self.engine.adaptive and len(self.k_choices) > 1) or k == 0:
+        # plain AR collects no acceptance evidence and the costs do not change with the live
+        # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
         max_iters = NO_LIMIT
       elif k > 0 and self.estimate.offered[0] < max(self.engine.probe_drafts, 1e-9):
         # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
@@ -419,6 +467,8 @@ class _Run:
       total_steps += iters
       if k > 0:
         self.estimate.add(k, float(drafts1 - drafts0), np.asarray(acc1 - acc0, np.float64))
+      if self.engine.adaptive and len(self.k_choices) > 1:
+        self.refine_cost(bucket, k, iters, seconds)
       self.segments.append(Segment(bucket=bucket, draft_len=k, window=window,
                                    live_rows_start=live, iterations=iters,
                                    tokens=int(tokens_after - tokens_before), seconds=seconds,

@@ -227,7 +227,8 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
       limits.append(window - k - 1 - cfg.prompt_len - 1)
     target = max(min(limits), done_tokens + 1e-6)
     iters = max(1, math.ceil((target - done_tokens) / mean - 1e-9))
-    if cfg.adaptive:  # the engine re-decides K after a growing iteration budget
+    if cfg.adaptive and k > 0:  # the engine re-decides K after a growing iteration budget
+      # (K = 0 gathers no acceptance evidence, so it runs until the bucket or window ends)
       j = budget.get(bucket, (k, 0))[1] if budget.get(bucket, (k, 0))[0] == k else 0
       iters = min(iters, cfg.first_segment_iters << j, cfg.max_segment_iters)
       budget[bucket] = (k, j + 1)
