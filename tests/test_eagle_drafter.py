@@ -119,7 +119,10 @@ def test_greedy_eagle_speculation_equals_greedy_ar_for_any_sequence_of_draft_len
   ar = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
   schedule = itertools.cycle((3, 0, 1, 3, 2, 0, 2, 1))
   monkeypatch.setattr(eng._Run, "choose_k", lambda self, *args: (next(schedule), float("nan")))
-  engine = EngineConfig(probe_iters=2, first_segment_iters=2, max_segment_iters=2)
+  # and every segment 2 steps long, K = 0 too (the engine runs a K = 0 bucket to its end, since
+  # its own choice could not change there; this schedule does change it)
+  monkeypatch.setattr(eng._Run, "segment_budget", lambda self, *args: 2)
+  engine = EngineConfig()
   out = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(1), GREEDY,
                              engine=engine)
   np.testing.assert_array_equal(out.tokens, ar.tokens)

@@ -365,6 +365,19 @@ class _Run:
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
                           {k: costs[k] for k in choices}, live, self.engine.min_gain)
 
+  def segment_budget(self, bucket: int, k: int, j: int) -> int:
+    """Steps the segment at (bucket, K) may run before K is chosen again; `j` counts the
+    segments the bucket already ran at this K."""
+    if not (self.engine.adaptive and len(self.k_choices) > 1) or k == 0:
+      # plain AR collects no acceptance evidence and the costs do not change with the live
+      # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
+      return NO_LIMIT
+    if self.estimate.offered[0] < max(self.engine.probe_drafts, 1e-9):
+      # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
+      # again, so a drafter that fails costs a few steps, not a segment
+      return self.engine.probe_iters
+    return min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
+
   def prepare_buckets(self, state, buckets: list[int]) -> None:
     """Compile every program the run may use now, on the first rows of the prefilled state (the
     results are discarded): each bucket's segment at every K adaptivity may pick, and compaction's
@@ -445,16 +458,7 @@ class _Run:
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
-      if not (self.engine.adaptive and len(self.k_choices) > 1) or k == 0:
-        # plain AR collects no acceptance evidence and the costs do not change with the live
-        # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
-        max_iters = NO_LIMIT
-      elif k > 0 and self.estimate.offered[0] < max(self.engine.probe_drafts, 1e-9):
-        # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
-        # again, so a drafter that fails costs a few steps, not a segment
-        max_iters = self.engine.probe_iters
-      else:
-        max_iters = min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
+      max_iters = self.segment_budget(bucket, k, j)
       smaller = [b for b in buckets if b < bucket]
       stop_at_live = smaller[0] if compact and smaller else 0
       t0 = time.perf_counter()

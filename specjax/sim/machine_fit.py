@@ -262,7 +262,9 @@ def engine_cases(path: str, measured_k: bool = True, clock: str = "wall"
     window = r.get("window") or first_window.get((b, k)) or prompt_len + max_new + max_k + 1
     steps.append(StepCase(f"{_engine_label(cfgj)} calib b={b} K={k}",
                           (model, draft, drafter, draft_vocab),
-                          b, k, int(window), float(_need(r, "step_s", w)),
+                          b, k, int(window),
+                          # the startup figure (step_s is refined by the run's segments since)
+                          float(r.get("calibrated_step_s") or _need(r, "step_s", w)),
                           int(r.get("iters", 3))))
   rollouts = []
   for arm, a in arms.items():
