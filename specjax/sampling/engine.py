@@ -283,6 +283,7 @@ class _Run:
     else:
       self.k_max = drafter.draft_len
       self.k_choices = (drafter.draft_len,)
+    self.adaptive = len(self.k_choices) > 1  # K is chosen per segment
     key = (None if drafter is None else dataclasses.replace(drafter, draft_len=max(self.k_max, 1)),
            cfg, graphdef)
     if key not in _ESTIMATES:
@@ -331,10 +332,10 @@ class _Run:
     return (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
 
   def refine_cost(self, bucket: int, k: int, iters: int, seconds: float) -> None:
-    """Move the (bucket, K) step cost toward what a segment of the run measured: a startup
-    calibration times a few steps on the prompt's first positions and errs by tens of percent,
-    while the run's own segments time every step the engine takes. The segment's fixed cost
-    (measured at calibration) is taken off first; weight iterations / (iterations + memory)."""
+    """Move the (bucket, K) step cost toward what a segment of the run measured: the startup
+    calibration times a few steps on the prompt's first positions, the run's own segments every
+    step the engine takes there. The segment's fixed cost (measured at calibration) is taken off
+    first; weight iterations / (iterations + cost_memory)."""
     key = self.cost_key(bucket, k)
     if key not in _STEP_COSTS or iters <= 0 or self.engine.cost_memory <= 0:
       return
@@ -352,7 +353,7 @@ class _Run:
   def choose_k(self, state, bucket: int, live: int, longest: int) -> tuple[int, float]:
     """(K, expected tokens/s) maximising live * E[tokens | K] / cost(bucket, K). The first visit
     of a bucket calibrates every K, so no program of the run compiles after its first rollout."""
-    if len(self.k_choices) == 1:
+    if not self.adaptive:
       return self.k_choices[0], float("nan")
     costs = {k: self.cost(state, bucket, k, longest) for k in self.k_choices}
     if not self.estimate.seen:  # acceptance is a guess: draft once so the estimate can learn
@@ -368,7 +369,7 @@ class _Run:
   def segment_budget(self, bucket: int, k: int, j: int) -> int:
     """Steps the segment at (bucket, K) may run before K is chosen again; `j` counts the
     segments the bucket already ran at this K."""
-    if not (self.engine.adaptive and len(self.k_choices) > 1) or k == 0:
+    if not self.adaptive or k == 0:
       # plain AR collects no acceptance evidence and the costs do not change with the live
       # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
       return NO_LIMIT
@@ -392,8 +393,7 @@ class _Run:
       return
     _PREPARED.add(key)
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
-    adaptive = self.engine.adaptive and len(self.k_choices) > 1
-    ks = self.k_choices if adaptive else self.k_choices[:1]
+    ks = self.k_choices if self.adaptive else self.k_choices[:1]
     # what compaction to bucket b runs: gather from the full batch, summary, write-back
     subs = {buckets[0]: state}
     for b in buckets[1:]:
@@ -410,7 +410,7 @@ class _Run:
         jax.block_until_ready(list(pool.map(lambda job: job(), jobs)))
     else:
       jax.block_until_ready([job() for job in jobs])
-    if adaptive:
+    if self.adaptive:
       for b in buckets[1:]:
         for k in ks:
           self.cost(subs[b], b, k, prompt_len)
@@ -471,7 +471,7 @@ class _Run:
       total_steps += iters
       if k > 0:
         self.estimate.add(k, float(drafts1 - drafts0), np.asarray(acc1 - acc0, np.float64))
-      if self.engine.adaptive and len(self.k_choices) > 1:
+      if self.adaptive:
         self.refine_cost(bucket, k, iters, seconds)
       self.segments.append(Segment(bucket=bucket, draft_len=k, window=window,
                                    live_rows_start=live, iterations=iters,
