@@ -120,6 +120,50 @@ def test_adaptive_k_turns_speculation_off_when_no_draft_is_accepted(target, stat
   assert int(out.num_steps) == int(static_ar.num_steps)  # a rejected draft still emits a token
 
 
+@dataclasses.dataclass(frozen=True)
+class ObservingRejectedDrafter(RejectedDrafter):
+  """A stateful drafter (like EAGLE-3) whose drafts are all rejected; every observe it runs
+  calls back to the host, so a test can count them."""
+
+  @property
+  def stateful(self) -> bool:
+    return True
+
+  def init(self, params, batch, cache_size):
+    return jnp.zeros((batch,), jnp.int32)
+
+  def observe(self, params, state, step):
+    jax.debug.callback(lambda: OBSERVED.append(1))
+    return state + step.num_new
+
+
+OBSERVED = []
+
+
+def test_a_stateful_drafter_that_never_pays_is_retired_for_the_rest_of_the_rollout(target,
+                                                                                   static_ar):
+  never = int(np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(static_ar.tokens))[0])
+  drafter = ObservingRejectedDrafter(draft_len=3, token=never)
+  # min_gain 0.5: after the first rollout's probe no K can promise it (E[tokens | K] <= 1.28,
+  # even with the counts decayed at the next rollout), whatever the step timings
+  eng.clear_calibration()
+  engine = EngineConfig(window_block=0, min_gain=0.5, calibration_repeats=1)
+  run = lambda: speculative_generate(target, drafter, (), PROMPTS, PROMPT_LENGTHS,
+                                     jax.random.key(1), GREEDY, engine=engine)
+  first = run()
+  assert_same_rollout(first, static_ar)
+  assert first.segments[0].draft_len >= 1 and not first.segments[0].drafter_retired
+  assert all(s.draft_len == 0 and s.drafter_retired for s in first.segments[1:])
+  OBSERVED.clear()
+  second = jax.block_until_ready(run())
+  assert_same_rollout(second, static_ar)
+  assert all(s.draft_len == 0 and s.drafter_retired for s in second.segments)
+  # the prefill's observe and nothing after it: a retired drafter costs no step (before, every
+  # plain AR step of a stateful drafter ran its observe)
+  jax.effects_barrier()
+  assert len(OBSERVED) == 1
+
+
 def test_acceptance_estimate_follows_the_counts_and_the_prior():
   est = AcceptanceEstimate(3, prior=0.5, weight=2.0)
   assert est.expected_tokens(0) == 1.0

@@ -31,8 +31,7 @@ from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBas
 @struct.dataclass
 class ChainState:
   cache: KVCache  # the drafter's own one-layer cache; lengths == the target's committed length
-  hidden: jax.Array  # [B, d] drafter state at the last committed pair
-  logits: jax.Array  # float32[B, N] draft logits of the token after the last committed one
+  hidden: jax.Array  # [B, d] drafter state at the last committed pair (its logits give draft 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,24 +80,20 @@ class ChainDrafter(Drafter):
   def hidden_size(self) -> int:
     raise NotImplementedError
 
-  def num_draft_ids(self) -> int:
-    raise NotImplementedError
-
   # -- the protocol ----------------------------------------------------------------------------
   def init(self, params, batch: int, cache_size: int) -> ChainState:
     hkv, dh, dtype = self.cache_spec()
     # room for K - 1 chained entries beyond a full target cache
     cache = KVCache.create(1, batch, cache_size + self.draft_len, hkv, dh, dtype)
-    return ChainState(cache=cache, hidden=jnp.zeros((batch, self.hidden_size()), dtype),
-                      logits=jnp.zeros((batch, self.num_draft_ids()), jnp.float32))
+    return ChainState(cache=cache, hidden=jnp.zeros((batch, self.hidden_size()), dtype))
 
   def observe(self, params, state: ChainState, step: TargetStep) -> ChainState:
     feats = self.features(params, step)
     out, cache = self.run(params, feats, step.next_tokens, state.cache.with_lengths(step.start))
     last = jnp.maximum(step.num_new - 1, 0)
     hidden = jnp.take_along_axis(out, last[:, None, None], axis=1)[:, 0]
-    return ChainState(cache=cache.with_lengths(step.start + step.num_new), hidden=hidden,
-                      logits=self.draft_logits(params, hidden))
+    # the first draft's logits are left to `propose`: a plain AR step observes without drafting
+    return ChainState(cache=cache.with_lengths(step.start + step.num_new), hidden=hidden)
 
   def _pick(self, params, logits: jax.Array, key: jax.Array):
     maps = self.vocab_maps(params)
@@ -115,7 +110,7 @@ class ChainDrafter(Drafter):
 
   def propose(self, params, state: ChainState, seq: Sequences, key: jax.Array):
     keys = jax.random.split(key, self.draft_len)
-    first_tok, first_probs = self._pick(params, state.logits, keys[0])
+    first_tok, first_probs = self._pick(params, self.draft_logits(params, state.hidden), keys[0])
     committed = state.cache.lengths
 
     def chain(carry, xs):
@@ -184,9 +179,6 @@ class Eagle3Drafter(ChainDrafter):
 
   def hidden_size(self):
     return self.head_cfg.hidden_size
-
-  def num_draft_ids(self):
-    return self.head_cfg.draft_vocab
 
 
 def eagle3_drafter(head: Eagle3Head, embed_table: jax.Array, maps: VocabMaps, *, draft_len: int,

@@ -53,9 +53,6 @@ class MtpDrafter(ChainDrafter):
   def hidden_size(self):
     return self.model_cfg.hidden_size
 
-  def num_draft_ids(self):
-    return self.model_cfg.vocab_size
-
 
 def mtp_drafter(model: Decoder, *, draft_len: int,
                 temperature: float = 1.0) -> tuple[MtpDrafter, nnx.State]:

@@ -102,6 +102,9 @@ class Segment:
   tokens: int  # tokens committed by the bucket's rows
   seconds: float
   expected_tokens_per_s: float  # what the K choice predicted (nan when not adaptive)
+  # the drafter was set aside for the rest of the rollout: no K > 0 can beat plain AR at the
+  # acceptance measured so far, so its state is no longer kept up to date (K = 0 without it)
+  drafter_retired: bool = False
 
   @property
   def tokens_per_s(self) -> float:
@@ -291,12 +294,13 @@ class _Run:
                                            engine.prior_weight)
     self.estimate = _ESTIMATES[key]
     self.estimate.decay(engine.estimate_decay)
+    self.retired = False  # see `choose_k`
     self.segments: list[Segment] = []
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
               stop_at_live: int):
-    drafter = self.drafter if self.drafter is not None and (k > 0 or self.drafter.stateful) \
-        else None
+    observe = k > 0 or (self.drafter is not None and self.drafter.stateful and not self.retired)
+    drafter = self.drafter if observe else None
     if drafter is not None:
       drafter = dataclasses.replace(drafter, draft_len=max(k, 1))
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
@@ -352,15 +356,24 @@ class _Run:
 
   def choose_k(self, state, bucket: int, live: int, longest: int) -> tuple[int, float]:
     """(K, expected tokens/s) maximising live * E[tokens | K] / cost(bucket, K). The first visit
-    of a bucket calibrates every K, so no program of the run compiles after its first rollout."""
+    of a bucket calibrates every K, so no program of the run compiles after its first rollout.
+
+    When the acceptance measured so far rules out every K > 0, the drafter is *retired* for the
+    rest of the rollout: the estimate changes only through drafting segments, so no later choice
+    of this rollout could pick a K > 0, and a stateful drafter (EAGLE-3, MTP, a draft model)
+    would only keep observing at a cost per step. The K = 0 program without the drafter compiles
+    the first time a bucket needs it. The next rollout starts with the drafter again."""
     if not self.adaptive:
       return self.k_choices[0], float("nan")
+    if self.retired:
+      return 0, float("nan")
     costs = {k: self.cost(state, bucket, k, longest) for k in self.k_choices}
     if not self.estimate.seen:  # acceptance is a guess: draft once so the estimate can learn
       choices = self.k_choices[1:]
     else:  # a K whose expected tokens cannot beat AR by min_gain is not even measured
       bar = 1.0 + self.engine.min_gain
       choices = [k for k in self.k_choices if k == 0 or self.estimate.expected_tokens(k) > bar]
+      self.retired = choices == [0]
     if len(choices) == 1:
       return choices[0], float("nan")
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
@@ -471,12 +484,13 @@ class _Run:
       total_steps += iters
       if k > 0:
         self.estimate.add(k, float(drafts1 - drafts0), np.asarray(acc1 - acc0, np.float64))
-      if self.adaptive:
+      if self.adaptive and not self.retired:  # the costs are those of the drafter's programs
         self.refine_cost(bucket, k, iters, seconds)
       self.segments.append(Segment(bucket=bucket, draft_len=k, window=window,
                                    live_rows_start=live, iterations=iters,
                                    tokens=int(tokens_after - tokens_before), seconds=seconds,
-                                   expected_tokens_per_s=expected))
+                                   expected_tokens_per_s=expected,
+                                   drafter_retired=self.retired))
     out = _write_back(out, state)
     stats = None
     if self.drafter is not None:
