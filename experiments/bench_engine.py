@@ -359,7 +359,7 @@ def no_accept(a, log) -> dict:
       rec["vs_ar"] = rec["rollout_s"] / rows["ar"]["rollout_s"]
       # the same rollout length in every arm and round (no EOS): the per-round ratio is exact
       # work for work, and its median is the steadier figure under a drifting machine
-      rec["vs_ar_paired"] = 1.0 / paired_ratio(rec, rows["ar"])
+      rec["vs_ar_paired"] = paired_ratio(rec, rows["ar"])  # median of arm / AR by round
       log(f"  no-accept batch {b:3d} {name:14s} {rec['rollout_s']:7.3f} s  "
           f"x{rec['vs_ar']:.2f} of AR (paired x{rec['vs_ar_paired']:.2f})  "
           f"acc.len {rec['acceptance_length']:.2f}")
