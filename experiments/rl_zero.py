@@ -45,14 +45,17 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # find the right answers (+8 points in 30 steps); after 800, +67. Temperature 0.7: sampled scratchpads are right more often (RL signal) and drafts are accepted
 # more (2.38 vs 1.8-2.0 at 1). No online draft loss: it would add the head's 3-step TTT unroll
 # to every train step, which the step speedup cannot afford here (`--rl.draft.online`; not
-# measured in this configuration). Measured in docs/BENCHMARKS.md ("Main job").
+# measured in this configuration). A 32-token draft vocabulary: with 16 (digits, '+=,#', EOS
+# and 'a') the head could never draft a step's letter b..z, one scratchpad token in seven, and
+# acceptance length was 2.1-2.5 over three runs; with 32 (letters a..q too), 2.7. Measured in
+# docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
     name="rl_zero",
     base=BaseModelConfig(steps=800, examples=6000, batch_size=32, lr=3e-3, bias=0.7,
                          pretrain_layers=2, pretrain_mlp_hidden=512),
-    draft_init=DraftInitConfig(steps=150, prompts=64, batch_size=8, draft_vocab=16,
+    draft_init=DraftInitConfig(steps=150, prompts=64, batch_size=8, draft_vocab=32,
                                head_mlp_hidden=512),
     rl=RLConfig(
         model=ModelConfig(vocab_size=64, hidden_size=256, num_layers=8, num_heads=4,
