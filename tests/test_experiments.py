@@ -50,37 +50,6 @@ def test_rl_think_fine_tunes_a_scratchpad_model_and_runs_spec_rl(tmp_path):
   assert (tmp_path / "runs" / "rl_think" / "summary.json").exists()
 
 
-def test_compile_cache_goes_under_the_cache_dir_unless_jax_already_has_one(tmp_path, monkeypatch):
-  import jax
-  import jax.numpy as jnp
-  from jax.experimental.compilation_cache import compilation_cache
-
-  from specjax.experiment.driver import use_compile_cache
-
-  before = (jax.config.jax_compilation_cache_dir,
-            jax.config.jax_persistent_cache_min_compile_time_secs)
-
-  def restore():
-    jax.config.update("jax_compilation_cache_dir", before[0])
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
-    compilation_cache.reset_cache()
-
-  monkeypatch.setattr("builtins.print", lambda *a, **k: None)
-  try:
-    jax.config.update("jax_compilation_cache_dir", None)
-    mine = str(tmp_path / "cache" / "xla")
-    assert use_compile_cache(mine) == mine
-    assert jax.config.jax_compilation_cache_dir == mine
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)  # cache even this one
-    jax.jit(lambda x: jnp.sin(x) * 3.0 + jnp.float32(len(mine)))(jnp.ones(7)).block_until_ready()
-    assert os.listdir(mine), "the compiled program is written under the cache dir"
-    # a directory already configured (JAX_COMPILATION_CACHE_DIR, or an earlier run) is kept
-    assert use_compile_cache(str(tmp_path / "other")) == mine
-    assert not (tmp_path / "other").exists()
-  finally:
-    restore()
-
-
 def test_scratchpad_task_writes_partial_results_and_scores_the_final_answer():
   import rl_think
   from specjax.rl.config import TaskConfig

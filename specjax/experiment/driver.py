@@ -97,10 +97,6 @@ class ExperimentConfig:
   name: str = "rl_zero"
   out_dir: str = "runs"  # the report goes to <out_dir>/<name>/
   cache_dir: str = ".cache/specjax"  # base policies and draft heads, keyed by their config
-  # compiled XLA programs under <cache_dir>/xla (JAX's persistent compilation cache), unless
-  # JAX_COMPILATION_CACHE_DIR names another: the second arm loads the training programs the first
-  # compiled, and a rerun loads nearly everything
-  compile_cache: bool = True
   # an existing <out_dir>/<name> is refused unless one of these says what to do with it
   fresh: bool = False  # start over: replace the earlier run (once the new one's checks pass) and
   #                      rebuild the cached base policy and draft head
@@ -128,24 +124,6 @@ def parse_config(defaults: ExperimentConfig, argv: Sequence[str] | None = None) 
 
   return parse_args(defaults, argv, config=(tyro.conf.AvoidSubcommands,),
                     description="AR vs speculative GRPO on one task (see README).")
-
-
-def use_compile_cache(path: str, log=print) -> str:
-  """Cache compiled programs under `path` (JAX's persistent compilation cache) unless a directory
-  is already configured (JAX_COMPILATION_CACHE_DIR or jax.config): that one is kept. Programs that
-  take under 0.5 s to compile are not cached. Returns the directory in use."""
-  import jax
-  from jax.experimental.compilation_cache import compilation_cache
-
-  current = jax.config.jax_compilation_cache_dir
-  if current:
-    return current
-  os.makedirs(path, exist_ok=True)
-  compilation_cache.set_cache_dir(path)
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-  compilation_cache.reset_cache()  # an earlier compilation may have initialised it without a dir
-  log(f"[compile] XLA programs cached under {path}")
-  return path
 
 
 def _digest(*parts: Any) -> str:
@@ -485,8 +463,6 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   check_flags(cfg)
   claim_run_dir(out, resume=cfg.resume, fresh=cfg.fresh)
   check_export_dir(cfg)
-  if cfg.compile_cache:
-    use_compile_cache(os.path.join(cfg.cache_dir, "xla"), log=log)
   if cfg.model_path:
     check_model_dir(cfg.model_path)
   tokenizer = build_tokenizer(cfg)
