@@ -47,8 +47,8 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # to every train step, which the step speedup cannot afford here (`--rl.draft.online`; not
 # measured in this configuration). A 32-token draft vocabulary: with 16 (digits, '+=,#', EOS
 # and 'a') the head could never draft a step's letter b..z, one scratchpad token in seven, and
-# acceptance length was 2.1-2.5 over three runs; with 32 (letters a..q too), 2.7. Measured in
-# docs/BENCHMARKS.md ("Main job").
+# acceptance length was 2.1-2.5 over three runs; with 32 (the most frequent tokens, the early
+# letters among them), 2.6-2.9 over eight. Measured in docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
