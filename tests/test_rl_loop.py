@@ -88,25 +88,31 @@ def test_speculative_rollouts_with_an_online_eagle_draft_complete_and_log_accept
 
 def test_a_train_batch_cut_to_its_longest_row_trains_exactly_like_the_full_width(base_model,
                                                                                 tmp_path):
-  """Trimming the train batch (RolloutConfig.train_width_block) leaves only padding out: the same
-  update as training at prompt + max_new_tokens columns; each width compiles in the first step."""
+  """Trimming the train batch (RolloutConfig.train_width_block, packing off) leaves only padding
+  out: the same update as training at prompt + max_new_tokens columns; each width compiles in
+  the first step. Packing the sequences (the default) is the same update again, with nothing to
+  warm up."""
   cfg = CFG.replace(steps=2, rollout=RolloutConfig(temperature=1.0, max_new_tokens=40,
-                                                   train_width_block=8),
+                                                   train_width_block=8, train_packing=False),
                     validation=ValidationConfig())
   cut = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "cut"), verbose=False)
   full = run_rl(cfg.replace(rollout=dataclasses.replace(cfg.rollout, train_width_block=0)),
                 base_model, TOK, out_dir=str(tmp_path / "full"), verbose=False)
-  cut_rec, full_rec = (read_metrics(s["metrics_path"]) for s in (cut, full))
+  packed = run_rl(cfg.replace(rollout=dataclasses.replace(cfg.rollout, train_packing=True)),
+                  base_model, TOK, out_dir=str(tmp_path / "packed"), verbose=False)
+  cut_rec, full_rec, packed_rec = (read_metrics(s["metrics_path"]) for s in (cut, full, packed))
   # 5-token prompts + 40 new tokens: 45 columns; "<bos>1+2=" and "12<eos>" fit in 8 or 16
-  assert [r["train/width"] for r in full_rec] == [45, 45]
+  assert [r["train/width"] for r in full_rec] == [45, 45] == [r["train/width"] for r in packed_rec]
   assert all(r["train/width"] in (8, 16) for r in cut_rec), cut_rec
-  for a, b in zip(cut_rec, full_rec):
-    for k in ("pg_loss", "entropy", "grad_norm/policy", "reward/mean"):
-      np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
-  params = [jax.tree.leaves(s["state"].params) for s in (cut, full)]
-  for x, y in zip(*params):
-    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
-  assert "warm" in cut["phases"]["phases"] and "warm" not in full["phases"]["phases"]
+  for other in (cut_rec, packed_rec):
+    for a, b in zip(other, full_rec):
+      for k in ("pg_loss", "entropy", "grad_norm/policy", "reward/mean"):
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  for run in (cut, packed):
+    for x, y in zip(jax.tree.leaves(run["state"].params), jax.tree.leaves(full["state"].params)):
+      np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-6)
+  assert "warm" in cut["phases"]["phases"]
+  assert "warm" not in full["phases"]["phases"] and "warm" not in packed["phases"]["phases"]
 
 
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(base_model, tmp_path):

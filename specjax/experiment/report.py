@@ -228,13 +228,15 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
 def format_table(summary: dict[str, Any]) -> str:
   runs = summary["runs"]
   init = summary.get("initial_validation", {}).get("val/accuracy")
-  lines = [f"{'run':<6}{'rollout s/step':>16}{'step s/step':>13}{'accept len':>12}"
-           f"{'val acc start':>15}{'val acc end':>13}"]
+  lines = [f"{'run':<6}{'rollout s/step':>16}{'step s/step':>13}{'gen share':>11}"
+           f"{'accept len':>12}{'val acc start':>15}{'val acc end':>13}"]
   def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
   for label, s in runs.items():
+    share = s.get("phase_fraction", {}).get("gen")
     lines.append(f"{label:<6}{fmt(s['rollout_time_s'], '.3f'):>16}{fmt(s['step_time_s'], '.3f'):>13}"
+                 f"{fmt(share, '.0%'):>11}"
                  f"{fmt(s['acceptance_length_mean'], '.2f'):>12}{fmt(init, '.3f'):>15}"
                  f"{fmt(s['final_val_accuracy'], '.3f'):>13}")
   if "rollout_speedup" in summary:

@@ -20,23 +20,25 @@ def has_fused_kernel(dtype) -> bool:
 
 
 def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int,
-                     fused: bool | None = None) -> jax.Array:
+                     fused: bool | None = None, segments: jax.Array | None = None) -> jax.Array:
   """Causal grouped-query attention over token index. q [B, T, H, Dh], k/v [B, T, Hkv, Dh]
   -> [B, T, H, Dh]. `block` (static) is the query/key block of the chunked path; `fused`
-  None picks cuDNN where `has_fused_kernel` says it exists."""
+  None picks cuDNN where `has_fused_kernel` says it exists. `segments` int[B, T] (packed rows):
+  a query sees only the keys of its own segment."""
   if fused is None:
-    fused = has_fused_kernel(q.dtype)
+    fused = has_fused_kernel(q.dtype) and segments is None
   if fused:
     return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
   if block <= 0:  # dense: one block holding the whole sequence
-    return chunked_attention(q, k, v, block=q.shape[1])[0]
-  return chunked_attention(q, k, v, block=block)[0]
+    return chunked_attention(q, k, v, block=q.shape[1], segments=segments)[0]
+  return chunked_attention(q, k, v, block=block, segments=segments)[0]
 
 
-def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                      *, block: int) -> tuple[jax.Array, jax.Array]:
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, block: int,
+                      segments: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
   """(out [B, T, H, Dh], logsumexp of the scaled scores float32[B, T, H]) of causal GQA, computed
-  block x block; both outputs are differentiable (the logsumexp lets callers merge more keys)."""
+  block x block; both outputs are differentiable (the logsumexp lets callers merge more keys).
+  `segments` int[B, T]: attention stays inside each segment (packed sequences)."""
   b, t, h, dh = q.shape
   hkv = k.shape[2]
   blk = max(1, min(int(block), t))
@@ -44,34 +46,40 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   if pad:
     widen = lambda x: jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0)))
     q, k, v = widen(q), widen(k), widen(v)
+    if segments is not None:  # padding: a segment of its own, after every real position
+      segments = jnp.pad(segments, ((0, 0), (0, pad)), constant_values=-1)
   # [n, B, blk, Hkv, G, Dh]: blocks first, for lax.map / scan
   qb = q.reshape(b, -1, blk, hkv, h // hkv, dh).transpose(1, 0, 2, 3, 4, 5)
   kb = k.reshape(b, -1, blk, hkv, dh).transpose(1, 0, 2, 3, 4)
   vb = v.reshape(b, -1, blk, hkv, dh).transpose(1, 0, 2, 3, 4)
-  out, lse = _flash(qb, kb, vb)
+  sb = None if segments is None else segments.reshape(b, -1, blk).transpose(1, 0, 2)
+  out, lse = _flash(qb, kb, vb, sb)
   out = out.transpose(1, 0, 2, 3, 4, 5).reshape(b, -1, h, dh)[:, :t]
   lse = lse.transpose(1, 0, 2, 3, 4).reshape(b, -1, h)[:, :t]
   return out, lse
 
 
-def _block_scores(qi, kj, i, j):
+def _block_scores(qi, kj, i, j, sb=None):
   """Scaled float32 scores [B, blk, Hkv, G, blk] of query block i against key block j, and the
-  causal mask (padding sits at the end, after every real position, so it never leaks in)."""
+  causal mask (padding sits at the end, after every real position, so it never leaks in); with
+  segment blocks `sb` [n, B, blk], also the same-segment mask."""
   blk, dh = qi.shape[1], qi.shape[-1]
   s = jnp.einsum("bqkgd,bskd->bqkgs", qi, kj, preferred_element_type=jnp.float32)
   s = s / math.sqrt(dh)
   qpos = i * blk + jnp.arange(blk)
   kpos = j * blk + jnp.arange(blk)
   mask = (kpos[None, :] <= qpos[:, None])[None, :, None, None, :]
+  if sb is not None:
+    mask = mask & (sb[i][:, :, None] == sb[j][:, None, :])[:, :, None, None, :]
   return s, mask
 
 
 @jax.custom_vjp
-def _flash(qb, kb, vb):
-  return _flash_fwd(qb, kb, vb)[0]
+def _flash(qb, kb, vb, sb):
+  return _flash_fwd(qb, kb, vb, sb)[0]
 
 
-def _flash_forward(qb, kb, vb):
+def _flash_forward(qb, kb, vb, sb):
   n = qb.shape[0]
   shape = qb.shape[1:-1]  # B, blk, Hkv, G
 
@@ -81,7 +89,7 @@ def _flash_forward(qb, kb, vb):
     def key_block(carry, j):
       def visit(carry):
         m, l, acc = carry
-        s, mask = _block_scores(qi, kb[j], i, j)
+        s, mask = _block_scores(qi, kb[j], i, j, sb)
         m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, NEG_INF), axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
         scale = jnp.exp(m - m_new)
@@ -101,13 +109,13 @@ def _flash_forward(qb, kb, vb):
   return jax.lax.map(query_block, (jnp.arange(n), qb))
 
 
-def _flash_fwd(qb, kb, vb):
-  out, lse = _flash_forward(qb, kb, vb)
-  return (out, lse), (qb, kb, vb, out, lse)
+def _flash_fwd(qb, kb, vb, sb):
+  out, lse = _flash_forward(qb, kb, vb, sb)
+  return (out, lse), (qb, kb, vb, sb, out, lse)
 
 
 def _flash_bwd(res, cts):
-  qb, kb, vb, out, lse = res
+  qb, kb, vb, sb, out, lse = res
   dout, dlse = cts
   n, dh = qb.shape[0], qb.shape[-1]
   dout = dout.astype(jnp.float32)
@@ -116,7 +124,7 @@ def _flash_bwd(res, cts):
   inv = 1.0 / math.sqrt(dh)
 
   def grads_of(i, j):
-    s, mask = _block_scores(qb[i], kb[j], i, j)
+    s, mask = _block_scores(qb[i], kb[j], i, j, sb)
     p = jnp.where(mask, jnp.exp(s - lse[i][..., None]), 0.0)
     dp = jnp.einsum("bqkgd,bskd->bqkgs", dout[i], vb[j].astype(jnp.float32))
     ds = p * (dp - delta[i][..., None])
@@ -148,7 +156,7 @@ def _flash_bwd(res, cts):
 
   dq = jax.lax.map(dq_block, jnp.arange(n))
   dk, dv = jax.lax.map(dkv_block, jnp.arange(n))
-  return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype)
+  return dq.astype(qb.dtype), dk.astype(kb.dtype), dv.astype(vb.dtype), None
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -14,7 +14,7 @@ from flax import nnx, struct
 
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
-from specjax.models.layers import DecoderLayer, RMSNorm, causal_mask, param
+from specjax.models.layers import DecoderLayer, RMSNorm, causal_mask, param, segment_mask
 
 
 @struct.dataclass
@@ -105,11 +105,23 @@ class Decoder(nnx.Module):
 
   # -- forward ---------------------------------------------------------------------------------
   def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
-               positions: jax.Array | None = None, compute_logits: bool = True) -> DecoderOutput:
+               positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+               compute_logits: bool = True) -> DecoderOutput:
+    """`segment_ids` int[B, T] (no cache): packed rows, several sequences in a row; a token
+    attends only to the earlier tokens of its own segment, at the `positions` given (each
+    sequence's own, from 0)."""
     b, t = tokens.shape
-    causal_by_index = self._linear_attention(cache, positions)
-    positions, mask = positions_and_mask(b, t, cache, positions)
-    mask = None if causal_by_index else mask  # the layers then attend in blocks (attention.py)
+    if segment_ids is not None:
+      if cache is not None or positions is None:
+        raise ValueError("Decoder: segment_ids (packed rows) need positions and no cache")
+      blocked = self.cfg.attention_block > 0
+      mask = None if blocked else segment_mask(segment_ids)
+      segments = segment_ids if blocked else None
+    else:
+      causal_by_index = self._linear_attention(cache, positions)
+      positions, mask = positions_and_mask(b, t, cache, positions)
+      mask = None if causal_by_index else mask  # the layers then attend in blocks (attention.py)
+      segments = None
     x = self.embed_tokens(tokens)
     aux_ids = self.cfg.aux_layer_ids
     aux = {}
@@ -118,7 +130,7 @@ class Decoder(nnx.Module):
       if i in aux_ids:
         aux[i] = x
       if cache is None:
-        x, _ = remat_layer(layer, self.cfg.remat)(x, positions, mask)
+        x, _ = remat_layer(layer, self.cfg.remat)(x, positions, mask, None, None, None, segments)
       else:
         x, (k, v) = layer(x, positions, mask, (cache.k[i], cache.v[i]), cache.lengths,
                           cache.visible)

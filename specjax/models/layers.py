@@ -102,17 +102,19 @@ class Attention(nnx.Module):
     self.attention_block = cfg.attention_block
 
   def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None = None,
-               write_at: jax.Array | None = None, visible: int | None = None):
+               write_at: jax.Array | None = None, visible: int | None = None,
+               segments: jax.Array | None = None):
     """Returns (out [B,T,d], (k, v)): with `kv` the cache buffers are returned with the new entries
     written at `write_at[b]`; without it, the fresh k/v of this call. `visible` (static): attend
-    over the first `visible` cache positions only (mask [B, T, visible])."""
+    over the first `visible` cache positions only (mask [B, T, visible]). `segments` int[B, T]
+    (mask None, packed rows): causal by index within each segment."""
     dt = self.dtype
     q, k, v = self.project(x, positions)
     if kv is not None:
       k = write_rows(kv[0], k, write_at)
       v = write_rows(kv[1], v, write_at)
     if mask is None:  # full sequence, causal by index (no cache): memory linear in T
-      out = causal_attention(q, k, v, block=self.attention_block)
+      out = causal_attention(q, k, v, block=self.attention_block, segments=segments)
     else:
       ks, vs = (k, v) if visible is None else (k[:, :visible], v[:, :visible])
       out = attend(q, ks.astype(dt), vs.astype(dt), mask)
@@ -160,8 +162,8 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_eps, cfg.params_dtype, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x, positions, mask, kv=None, write_at=None, visible=None):
-    a, kv = self.attn(self.input_norm(x), positions, mask, kv, write_at, visible)
+  def __call__(self, x, positions, mask, kv=None, write_at=None, visible=None, segments=None):
+    a, kv = self.attn(self.input_norm(x), positions, mask, kv, write_at, visible, segments)
     x = x + a.astype(x.dtype)
     x = x + self.mlp(self.post_attn_norm(x)).astype(x.dtype)
     return x, kv
@@ -170,3 +172,11 @@ class DecoderLayer(nnx.Module):
 def causal_mask(positions: jax.Array, key_positions: jax.Array) -> jax.Array:
   """bool[B, T, S]: query at position p sees keys at positions <= p."""
   return key_positions[:, None, :] <= positions[:, :, None]
+
+
+def segment_mask(segments: jax.Array) -> jax.Array:
+  """bool[B, T, T] of packed rows (segments int[B, T]): token t sees the tokens s <= t of its own
+  segment."""
+  t = segments.shape[1]
+  idx = jnp.arange(t)
+  return (idx[None, :] <= idx[:, None])[None] & (segments[:, None, :] == segments[:, :, None])

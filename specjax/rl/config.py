@@ -132,8 +132,18 @@ class RolloutConfig:
   # the train batch is cut to its longest row (prompt + completion) rounded up to
   # train_width_block * 2^j tokens (while that saves a quarter of the full prompt +
   # max_new_tokens width), not the full width: long-tailed completions train at the width they
-  # use. The first step compiles the train step at every width; 0 trains at the full width
+  # use. The first step compiles the train step at every width; 0 trains at the full width.
+  # Used only when the batch is not packed (below)
   train_width_block: int = 64
+  # sequence packing: the train step lays the rollouts' sequences end to end in rows of
+  # train_pack_width positions (0: prompt + max_new_tokens), each attending only to itself, and
+  # sums the gradients of micro-batches of train_pack_rows rows (rounded up to a multiple of the
+  # data-parallel size) before one update: it computes on about as many positions as there are
+  # tokens, with one compiled program for every batch. Not with an online draft loss (its head
+  # reads one sequence per row): that trains on the batch cut to its longest row
+  train_packing: bool = True
+  train_pack_width: int = 0
+  train_pack_rows: int = 1
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -147,6 +157,10 @@ class RolloutConfig:
     _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
     _check(self.train_width_block >= 0, f"{w}.train_width_block",
            f"must be >= 0 (0: the full width), got {self.train_width_block}")
+    _check(self.train_pack_width >= 0, f"{w}.train_pack_width",
+           f"must be >= 0 (0: prompt + max_new_tokens), got {self.train_pack_width}")
+    _check(self.train_pack_rows >= 1, f"{w}.train_pack_rows",
+           f"must be >= 1, got {self.train_pack_rows}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +265,17 @@ class RLConfig:
   @property
   def rollout_batch(self) -> int:
     return self.prompts_per_step * self.grpo.group_size
+
+  @property
+  def packs_train_batch(self) -> bool:
+    """The train step packs sequences (RolloutConfig.train_packing, no online draft loss)."""
+    return self.rollout.train_packing and not self.draft.online
+
+  @property
+  def train_cut_block(self) -> int:
+    """`train_width_block` of the batch the loops hand the trainer: 0 (its full width) when
+    packed, so that every packed row has one width."""
+    return 0 if self.packs_train_batch else self.rollout.train_width_block
 
   @property
   def optimizer_steps(self) -> int:

@@ -101,11 +101,14 @@ def k3_kl(logprobs: jax.Array, ref_logprobs: jax.Array) -> jax.Array:
 
 
 def aggregate(per_token: jax.Array, mask: jax.Array, agg: str,
-              denom: LossDenominators) -> jax.Array:
-  """Sum of this (micro-)batch's share of the full-batch mean under `agg`."""
+              denom: LossDenominators, seq_lengths: jax.Array | None = None) -> jax.Array:
+  """Sum of this (micro-)batch's share of the full-batch mean under `agg`. `seq_lengths` [B, T]
+  (packed rows, several sequences per row): each token's own sequence's completion length."""
   if agg == "token-mean":
     return jnp.sum(per_token * mask) / denom.tokens
   if agg == "seq-mean-token-mean":
+    if seq_lengths is not None:
+      return jnp.sum(per_token * mask / jnp.maximum(seq_lengths, 1.0)) / denom.seqs
     per_seq = jnp.sum(per_token * mask, axis=1) / jnp.maximum(mask.sum(axis=1), 1.0)
     return jnp.sum(per_seq) / denom.seqs
   if agg == "seq-mean-token-sum-norm":  # Dr.GRPO: one constant length for every sequence
@@ -117,8 +120,10 @@ def aggregate(per_token: jax.Array, mask: jax.Array, agg: str,
 def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Array,
               mask: jax.Array, cfg: GRPOConfig, ref_logprobs: jax.Array | None = None,
               denom: LossDenominators | None = None,
-              pg_weights: jax.Array | None = None) -> tuple[jax.Array, dict]:
-  """Clipped surrogate with separate low/high clip + beta * k3 KL. Arrays [B, T], advantages [B].
+              pg_weights: jax.Array | None = None,
+              seq_lengths: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """Clipped surrogate with separate low/high clip + beta * k3 KL. Arrays [B, T], advantages [B]
+  (one per row) or [B, T] (one per token: packed rows; `seq_lengths` as in `aggregate`).
 
   `pg_weights` [B, T] (e.g. truncated importance-sampling weights) scales each token's
   policy-gradient term, as a constant; the KL term and all metrics stay unweighted.
@@ -127,7 +132,8 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
   """
   mask = mask.astype(jnp.float32)
   denom = denominators(mask) if denom is None else denom
-  adv = advantages.astype(jnp.float32)[:, None]
+  adv = advantages.astype(jnp.float32)
+  adv = adv[:, None] if adv.ndim == 1 else adv
   log_ratio = logprobs - old_logprobs
   ratio = jnp.exp(log_ratio)
   clipped = jnp.clip(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
@@ -142,10 +148,10 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
       raise ValueError("grpo_loss: beta > 0 needs ref_logprobs")
     kl = k3_kl(logprobs, ref_logprobs)
     per_token = per_token + cfg.beta * kl
-  loss = aggregate(per_token, mask, cfg.loss_agg, denom)
+  loss = aggregate(per_token, mask, cfg.loss_agg, denom, seq_lengths)
   tok = lambda x: jnp.sum(x.astype(jnp.float32) * mask) / denom.tokens
   metrics = {
-      "pg_loss": aggregate(pg, mask, cfg.loss_agg, denom),
+      "pg_loss": aggregate(pg, mask, cfg.loss_agg, denom, seq_lengths),
       "kl": tok(kl),
       "clip_frac": tok(clip_low_hit | clip_high_hit),
       "clip_low_frac": tok(clip_low_hit),

@@ -95,7 +95,7 @@ def warm_widths(run: RLRun, full: int, width: int, train_at: Callable[[int], Any
   if run.widths_warm:
     return
   run.widths_warm = True
-  others = [w for w in train_widths(full, run.cfg.rollout.train_width_block) if w != width]
+  others = [w for w in train_widths(full, run.cfg.train_cut_block) if w != width]
   if others:
     with timer.phase("warm"):
       for w in others:
@@ -129,7 +129,7 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
     adv = group_advantages(rewards.rewards, g, cfg.grpo.adv_mode, cfg.grpo.adv_eps)
   bad = nonfinite_names(rewards=rewards.rewards, advantages=adv)
   with timer.phase("logprob") as p:
-    tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.rollout.train_width_block)
+    tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.train_cut_block)
     # one optimizer step on this batch: old logprobs == the policy's own, no separate pass
     batch, mismatch = p.sync(build_train_batch(run.trainer, state, run.ref_params, tokens, mask,
                                                sampler_lp, adv, on_policy=cfg.minibatches == 1))

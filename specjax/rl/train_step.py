@@ -41,6 +41,12 @@ class TrainBatch:
   pg_weights: jax.Array | None = None
   # float32[B, S] the sampler's logprobs: with old_logprobs None the step reports the mismatch
   sampler_logprobs: jax.Array | None = None
+  # packed rows (`specjax.rl.packing`; advantages are then [B, S], one per position): each
+  # position's place in its own sequence, its sequence's index in the row (-1: padding) and that
+  # sequence's completion length; None: one sequence per row from position 0
+  positions: jax.Array | None = None
+  segment_ids: jax.Array | None = None
+  seq_lengths: jax.Array | None = None
 
 
 @struct.dataclass
@@ -152,6 +158,10 @@ class TrainStepConfig:
   draft_loss_weight: float  # default lambda
   ttt_steps: int  # EAGLE-3 TTT unroll of the online loss
   loss_norm_len: int  # Dr.GRPO's constant length (loss_agg seq-mean-token-sum-norm)
+  # sequence packing (RolloutConfig.train_packing): rows of pack_width positions (0: the batch's
+  # width), pack_rows rows per micro-batch; pack_rows 0: no packing
+  pack_width: int = 0
+  pack_rows: int = 0
 
   @classmethod
   def from_rl(cls, cfg: RLConfig) -> "TrainStepConfig":
@@ -162,7 +172,8 @@ class TrainStepConfig:
                temperature=r.temperature if r.train_temperature and r.temperature > 0 else 1.0,
                draft_method=d.method, draft_online=d.online,
                draft_loss_weight=d.loss_weight, ttt_steps=d.ttt_steps,
-               loss_norm_len=r.max_new_tokens)
+               loss_norm_len=r.max_new_tokens, pack_width=r.train_pack_width,
+               pack_rows=r.train_pack_rows if cfg.packs_train_batch else 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,9 +242,10 @@ class Trainer:
   def temperature(self) -> float:
     return self.step_cfg.temperature
 
-  def _forward(self, forward_params, tokens):
+  def _forward(self, forward_params, tokens, positions=None, segment_ids=None):
     model = nnx.merge(self.policy_graphdef, forward_params)
-    return model, model(tokens, compute_logits=not model.cfg.logits_chunk)
+    return model, model(tokens, positions=positions, segment_ids=segment_ids,
+                        compute_logits=not model.cfg.logits_chunk)
 
   def _logprobs(self, forward_params, tokens):
     model, out = self._forward(forward_params, tokens)
@@ -241,14 +253,15 @@ class Trainer:
 
   def _loss(self, params, batch: TrainBatch, draft_aux, draft_weight, denom):
     c = self.step_cfg
-    model, out = self._forward(self.forward_params(params), batch.tokens)
+    model, out = self._forward(self.forward_params(params), batch.tokens, batch.positions,
+                               batch.segment_ids)
     lp, entropy = policy_logprobs(model, out, batch.tokens, self.temperature)
     mask = batch.loss_mask.astype(jnp.float32)
     ref = batch.ref_logprobs if c.grpo.beta > 0 else None
     # on-policy: old == current policy, so the forward of this step is also the old-logprob pass
     old = jax.lax.stop_gradient(lp) if batch.old_logprobs is None else batch.old_logprobs
     loss, metrics = grpo_loss(lp, old, batch.advantages, mask, c.grpo, ref,
-                              denom, pg_weights=batch.pg_weights)
+                              denom, pg_weights=batch.pg_weights, seq_lengths=batch.seq_lengths)
     metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask) / denom.tokens
     if batch.sampler_logprobs is not None:
       delta = jnp.abs(jax.lax.stop_gradient(lp) - batch.sampler_logprobs) * mask
@@ -270,11 +283,13 @@ class Trainer:
   def _micro(self) -> int:
     return self.step_cfg.micro_batches
 
-  def _grads(self, state: TrainState, batch: TrainBatch, draft_weight):
-    """(grads, metrics) summed over `micro_batches` micro-batches (lax.scan)."""
-    denom = denominators(batch.loss_mask.astype(jnp.float32), self.step_cfg.loss_norm_len)
+  def _grads(self, state: TrainState, batch: TrainBatch, draft_weight, denom=None):
+    """(grads, metrics) summed over `micro_batches` micro-batches (lax.scan); `denom` those of
+    the whole batch when `batch` is one packed micro-batch of it."""
+    if denom is None:
+      denom = denominators(batch.loss_mask.astype(jnp.float32), self.step_cfg.loss_norm_len)
     grad_fn = jax.grad(self._loss, has_aux=True)
-    m = self._micro
+    m = 1 if batch.segment_ids is not None else self._micro  # packed: micro-batches already
     if m == 1:
       return grad_fn(state.params, batch, state.draft_aux, draft_weight, denom)
     micro = jax.tree.map(lambda x: x.reshape((m, x.shape[0] // m) + x.shape[1:]), batch)
@@ -294,6 +309,32 @@ class Trainer:
   def _train_step(self, state: TrainState, batch: TrainBatch, draft_weight):
     draft_weight = jnp.asarray(draft_weight, jnp.float32)
     grads, metrics = self._grads(state, batch, draft_weight)
+    return self._apply(state, grads, metrics, draft_weight)
+
+  def _accumulate_packed(self, state: TrainState, acc, batch: TrainBatch, draft_weight, denom):
+    """acc + (grads, metrics) of one packed micro-batch."""
+    grads, metrics = self._grads(state, batch, draft_weight, denom)
+    return self._place_acc(state, (jax.tree.map(jnp.add, acc[0], grads),
+                                   {k: _accumulate(k, acc[1][k], v) for k, v in metrics.items()}))
+
+  def _zero_acc(self, state: TrainState, batch: TrainBatch, draft_weight, denom):
+    """Zeros shaped like `_accumulate_packed`'s (grads, metrics)."""
+    shapes = jax.eval_shape(self._grads, state, batch, draft_weight, denom)
+    return self._place_acc(state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+
+  def _place_acc(self, state: TrainState, acc):
+    """Accumulated gradients sharded like the params (metrics replicated), so every micro-batch
+    call sees the same input shardings and reuses one compiled program."""
+    if self.mesh is None:
+      return acc
+    from specjax.sharding import state_shardings
+    shardings = {g: state_shardings(p, self.mesh) for g, p in state.params.items()}
+    grads = jax.tree.map(jax.lax.with_sharding_constraint, acc[0], shardings)
+    replicated = NamedSharding(self.mesh, P())
+    return grads, jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), acc[1])
+
+  def _apply(self, state: TrainState, grads, metrics, draft_weight):
+    """The optimizer update of summed `grads`: (new state, metrics)."""
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # lambda == 0: the draft (params and its optimizer state) stays exactly as it was
@@ -319,8 +360,44 @@ class Trainer:
     `donate` the step reuses the buffers of `state` for the new state (params and optimizer
     state are not held twice); `state` is invalid afterwards."""
     w = self.step_cfg.draft_loss_weight if draft_weight is None else draft_weight
+    if self.packing:
+      return self._packed_step(state, batch, jnp.float32(w), donate)
     fn = _step_jit_donated if donate else _step_jit
     return fn(self, state, self.place_batch(batch), jnp.float32(w))
+
+  @property
+  def packing(self) -> bool:
+    """Train on packed rows (`RLConfig.packs_train_batch`)."""
+    return self.step_cfg.pack_rows > 0
+
+  @property
+  def pack_rows(self) -> int:
+    """Rows per packed micro-batch: a multiple of the mesh's data-parallel size."""
+    from specjax.sampling.engine import data_parallel_size
+    dp = data_parallel_size(self.mesh)
+    return -(-self.step_cfg.pack_rows // dp) * dp
+
+  def _packed_step(self, state: TrainState, batch: TrainBatch, draft_weight, donate: bool):
+    """One optimizer step on `batch` packed (`specjax.rl.packing`): gradients summed over its
+    micro-batches of [pack_rows, width] (one compiled program whatever the batch's lengths),
+    then one update; the same step as on the padded batch, up to float summation order."""
+    from specjax.rl.packing import pack
+
+    if batch.positions is not None:
+      raise ValueError("Trainer.step: the batch is packed already; pass the [B, S] batch")
+    host = jax.device_get(batch)
+    denom = denominators(jnp.asarray(host.loss_mask, jnp.float32), self.step_cfg.loss_norm_len)
+    width = self.step_cfg.pack_width or host.tokens.shape[1]
+    fields = {f.name: getattr(host, f.name) for f in dataclasses.fields(TrainBatch)
+              if f.name not in ("positions", "segment_ids", "seq_lengths")}
+    acc = None
+    for micro in pack(fields, width, self.pack_rows):
+      micro = self.place_batch(TrainBatch(**micro))
+      if acc is None:
+        acc = _zero_acc_jit(self, state, micro, draft_weight, denom)
+      acc = _accumulate_jit(self, state, acc, micro, draft_weight, denom)
+    fn = _apply_jit_donated if donate else _apply_jit
+    return fn(self, state, acc[0], acc[1], draft_weight)
 
   def train_on_batch(self, state: TrainState, batch: TrainBatch, *,
                      donate: bool = False) -> tuple[TrainState, dict]:
@@ -362,5 +439,11 @@ def _accumulate(name: str, acc: jax.Array, value: jax.Array) -> jax.Array:
   """Micro-batch metrics add up (they are scaled like the loss), maxima take the max."""
   return jnp.maximum(acc, value) if name.endswith("max_abs") else acc + value
 _grads_jit = jax.jit(lambda t, *args: t._grads(*args), static_argnums=0)
+_accumulate_jit = jax.jit(lambda t, *args: t._accumulate_packed(*args), static_argnums=0,
+                          donate_argnums=2)
+_zero_acc_jit = jax.jit(lambda t, *args: t._zero_acc(*args), static_argnums=0)
+_apply_jit = jax.jit(lambda t, *args: t._apply(*args), static_argnums=0)
+_apply_jit_donated = jax.jit(lambda t, *args: t._apply(*args), static_argnums=0,
+                             donate_argnums=1)
 _logprobs_jit = jax.jit(lambda t, *args: t._logprobs(*args), static_argnums=0)
 

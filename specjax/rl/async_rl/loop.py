@@ -101,7 +101,7 @@ def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Arr
     clock.lap("data", (prompts, lengths))
     key = jax.random.fold_in(jax.random.fold_in(base_key, index), 0)
     rollout = engine.generate(policy, drafter_params, prompts, lengths, key)
-    tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.rollout.train_width_block)
+    tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.train_cut_block)
     clock.lap("gen", (rollout, tokens, mask, sampler_lp))
     texts = decode_completions(tok, rollout)
     rewards = compute_rewards(task.score, texts, [e for e in examples for _ in range(g)])
