@@ -34,6 +34,11 @@ def test_rl_zero_runs_every_stage_and_writes_the_report(tmp_path):
     assert key in on_disk
   assert on_disk["runs"]["spec"]["acceptance_length"], "the spec run logs acceptance length"
   assert summary["runs"]["ar"]["steps"] == 2
+  # the arms took turns: AR step 1, spec step 1, AR step 2, spec step 2
+  ends = {arm: [r["perf/wall_clock"] for r in map(json.loads, (out / arm / "metrics.jsonl")
+                                                  .read_text().splitlines()) if "time/step" in r]
+          for arm in ("ar", "spec")}
+  assert ends["ar"][0] < ends["spec"][0] < ends["ar"][1] < ends["spec"][1], ends
   # a second run finds the cached base policy and draft head
   cached = sorted(os.listdir(tmp_path / "cache"))
   assert any(c.startswith("base-") for c in cached) and any(c.startswith("eagle3-") for c in cached)

@@ -14,7 +14,7 @@ from specjax.models import CharTokenizer, Decoder, ModelConfig
 from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
                                RolloutConfig, TaskConfig, ValidationConfig, load_config)
 from specjax.experiment.pretrain import pretrain_lm
-from specjax.rl.loop import run_rl
+from specjax.rl.loop import iterate_rl, run_rl
 from specjax.rl.metrics_log import MetricsLogger, append_jsonl, read_metrics
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
@@ -129,6 +129,17 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(base_model, t
            verbose=False)
   assert sorted(os.listdir(tmp_path / "split" / "checkpoints")) == ["2"]
   resumed = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), stop_after=2,
+                   verbose=False)
+  assert resumed["start_step"] == 2 and resumed["steps"] == 4
+  assert _strip_times(read_metrics(full["metrics_path"])) == \
+      _strip_times(read_metrics(resumed["metrics_path"]))
+  # a run taken a step at a time (the driver's interleaved arms) and closed after step 2 saves
+  # like an interruption, and resumes the same way
+  steps = iterate_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "closed"), verbose=False)
+  assert [next(steps)[0], next(steps)[0]] == [1, 2]
+  steps.close()
+  assert sorted(os.listdir(tmp_path / "closed" / "checkpoints")) == ["2"]
+  resumed = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "closed"), stop_after=2,
                    verbose=False)
   assert resumed["start_step"] == 2 and resumed["steps"] == 4
   assert _strip_times(read_metrics(full["metrics_path"])) == \

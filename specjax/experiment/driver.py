@@ -108,6 +108,10 @@ class ExperimentConfig:
   chat_template: str = ""
   export_hf: str = ""  # after the runs: the final policy as a Hugging Face dir (+ eagle3/ head)
   compare: bool = True  # also run the AR baseline (False: only the configured rollout mode)
+  # sync RL with both arms: run them step by step in turn in this process (AR step 1, spec step
+  # 1, AR step 2, ...), so that both see the machine in the same state and its drift does not
+  # enter the speedups; False: the AR run to its end, then the speculative one
+  interleave: bool = True
   base: BaseModelConfig = BaseModelConfig()
   draft_init: DraftInitConfig = DraftInitConfig()
   rl: RLConfig = RLConfig()
@@ -482,8 +486,8 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
                                   for d in (p.checkpoint_dir, p.log_dir)], log) \
       if cfg.fresh else None
   os.makedirs(out, exist_ok=True)
+  runs = {}
   for i, (label, rl_cfg) in enumerate(modes):
-    run_dir = paths[label].run_dir
     log(f"[rl:{label}] {rl_cfg.steps} GRPO steps, rollouts by "
         f"{'AR decoding' if label == 'ar' else f'{rl_cfg.draft.kind} K={rl_cfg.draft.draft_len}'}")
     rl_cfg = dataclasses.replace(
@@ -492,14 +496,11 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
     graphdef, params = nnx.split(policy)
     if i < len(modes) - 1:  # the train step donates its state: later runs need the originals
       params = jax.tree.map(jnp.copy, params)
-    kw = dict(out_dir=run_dir, draft=head if label == "spec" else None,
-              draft_maps=maps if label == "spec" else None, verbose=True)
-    if cfg.async_rl.enabled:
-      from specjax.rl.async_rl.loop import run_rl_async
-      summary = run_rl_async(rl_cfg, cfg.async_rl, (graphdef, params), tokenizer, task, **kw)
-    else:
-      from specjax.rl.loop import run_rl
-      summary = run_rl(rl_cfg, (graphdef, params), tokenizer, task, **kw)
+    runs[label] = (rl_cfg, graphdef, params)
+  summaries = run_arms(cfg, runs, tokenizer, task, head, maps, paths, log)
+  for label, (rl_cfg, graphdef, _) in runs.items():
+    run_dir = paths[label].run_dir
+    summary = summaries[label]
     state = summary.pop("state", None)
     results[label] = summary
     final = (rl_cfg, graphdef, state, head if label == "spec" else None)
@@ -514,6 +515,40 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   if replaced is not None:
     replaced.commit()
   return report
+
+
+def run_arms(cfg: ExperimentConfig, runs: dict, tokenizer, task, head, maps, paths,
+             log=print) -> dict[str, dict]:
+  """Each arm's RL run ({label: (RL config, graphdef, params)}) -> {label: its summary}: one
+  after the other, or (sync RL, `ExperimentConfig.interleave`) a step of each in turn."""
+  def kwargs(label):
+    return dict(out_dir=paths[label].run_dir, draft=head if label == "spec" else None,
+                draft_maps=maps if label == "spec" else None, verbose=True)
+
+  if cfg.async_rl.enabled:
+    from specjax.rl.async_rl.loop import run_rl_async
+    return {label: run_rl_async(c, cfg.async_rl, (g, p), tokenizer, task, **kwargs(label))
+            for label, (c, g, p) in runs.items()}
+  from specjax.rl.loop import drain, iterate_rl
+
+  steps = {label: iterate_rl(c, (g, p), tokenizer, task, **kwargs(label))
+           for label, (c, g, p) in runs.items()}
+  if not cfg.interleave or len(steps) == 1:
+    return {label: drain(s) for label, s in steps.items()}
+  log(f"[rl] arms interleaved: a step of each in turn ({', '.join(steps)})")
+  summaries, live = {}, list(steps)
+  try:
+    while live:
+      for label in list(live):
+        try:
+          next(steps[label])
+        except StopIteration as done:
+          summaries[label] = done.value
+          live.remove(label)
+  finally:  # an error in one arm: the other saves and closes as on an interruption
+    for s in steps.values():
+      s.close()
+  return {label: summaries[label] for label in runs}
 
 
 def check_export_dir(cfg: ExperimentConfig) -> None:

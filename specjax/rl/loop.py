@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -329,6 +330,28 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
 
   Returns a summary: steps run, last metrics, last validation, the phase breakdown, paths and the
   final train state ("state")."""
+  return drain(iterate_rl(cfg, policy, tokenizer, task, out_dir=out_dir, draft=draft,
+                          draft_maps=draft_maps, hooks=hooks, validation_hooks=validation_hooks,
+                          stop_after=stop_after, verbose=verbose))
+
+
+def drain(steps) -> Any:
+  """Run a step generator (`iterate_rl`) to its end; its return value."""
+  while True:
+    try:
+      next(steps)
+    except StopIteration as done:
+      return done.value
+
+
+def iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
+               draft=None, draft_maps=None, hooks: Sequence[Hook] = (),
+               validation_hooks: Sequence[Hook] = (), stop_after: int | None = None,
+               verbose: bool = True):
+  """`run_rl` one step at a time: a generator that yields (step, metrics) after each completed
+  step (metrics written, checkpoint saved when due) and returns `run_rl`'s summary, so that
+  several runs can take turns in one process (the experiment driver interleaves its AR and
+  speculative arms). Closing it early saves and closes the run as an interruption does."""
   os.makedirs(out_dir, exist_ok=True)
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
   ckpt, logger, state, start, data_position, base_key, pending = open_run(cfg, out_dir, state)
@@ -349,6 +372,7 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
                                        data_position, timer)
       metrics.update(timer.end_step())
       metrics["perf/gen_tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
+      metrics["perf/wall_clock"] = time.time()  # when the step ended (runs may take turns)
       # the step counts as done once its metrics are written (validation may be interrupted)
       pending = PendingStep(step + 1, data_position + cfg.prompts_per_step, dict(metrics), errors)
       last_val = finish_step(run, state, pending.step, metrics, errors, logger, base_key, (),
@@ -359,6 +383,7 @@ def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_di
         hook(completed, metrics)
       if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
         save()
+      yield completed, metrics
   except BaseException:
     close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True)
     raise

@@ -136,7 +136,10 @@ class MetricsLogger:
     if progress:
       from tqdm.auto import tqdm
 
-      self.bar = tqdm(total=total_steps, initial=initial_step, desc="rl", dynamic_ncols=True)
+      # named by the run's directory: runs that take turns (the driver's arms) keep two bars
+      name = os.path.basename(os.path.normpath(log_dir))
+      self.bar = tqdm(total=total_steps, initial=initial_step, desc=f"rl {name}",
+                      dynamic_ncols=True)
 
   def log(self, step: int, metrics: dict) -> None:
     if not self.enabled:

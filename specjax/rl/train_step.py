@@ -367,8 +367,9 @@ class Trainer:
 
   @property
   def packing(self) -> bool:
-    """Train on packed rows (`RLConfig.packs_train_batch`)."""
-    return self.step_cfg.pack_rows > 0
+    """Train on packed rows (`RLConfig.packs_train_batch`); in one process only: packing reads
+    the whole batch on the host, and across processes each holds only its own rows."""
+    return self.step_cfg.pack_rows > 0 and jax.process_count() == 1
 
   @property
   def pack_rows(self) -> int:

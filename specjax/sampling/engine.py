@@ -238,9 +238,12 @@ def compiled_programs() -> int:
   return sum(f._cache_size() for f in (_init_jit, _segment_jit, _take_jit, _summary, _write_back))
 
 
-# (graphdef, drafter, cfg, cache_size, mesh, bucket, K) -> seconds per step, measured once per
-# process (a run's startup calibration, reused by every later rollout of the run)
+# (program id, bucket, K) -> seconds per step, measured once per process (a run's startup
+# calibration, reused by every later rollout of the run)
 _STEP_COSTS: dict[tuple, float] = {}
+# (graphdef, drafter, cfg, cache_size, mesh) -> program id: the costs' key hashes a graphdef once
+# per rollout, not at every lookup (a policy's graphdef takes ~0.3 ms to hash)
+_PROGRAM_IDS: dict[tuple, int] = {}
 # the same key -> the fixed cost of running a segment of that program (seconds)
 _SEGMENT_COSTS: dict[tuple, float] = {}
 # the same key -> [startup calibration of the step cost, steps measured in rollouts since]
@@ -296,6 +299,8 @@ class _Run:
     self.estimate.decay(engine.estimate_decay)
     self.retired = False  # see `choose_k`
     self.segments: list[Segment] = []
+    self.program_id = _PROGRAM_IDS.setdefault((graphdef, drafter, cfg, cache_size, mesh),
+                                              len(_PROGRAM_IDS))
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
               stop_at_live: int):
@@ -333,7 +338,7 @@ class _Run:
     return _STEP_COSTS[key]
 
   def cost_key(self, bucket: int, k: int) -> tuple:
-    return (self.graphdef, self.drafter, self.cfg, self.cache_size, self.mesh, bucket, k)
+    return (self.program_id, bucket, k)
 
   def refine_cost(self, bucket: int, k: int, iters: int, seconds: float) -> None:
     """Move the (bucket, K) step cost toward what a segment of the run measured: the startup
