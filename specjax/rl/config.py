@@ -142,8 +142,8 @@ class RolloutConfig:
   # tokens, with one compiled program for every batch. Not with an online draft loss (its head
   # reads one sequence per row): that trains on the batch cut to its longest row
   train_packing: bool = True
-  train_pack_width: int = 0
-  train_pack_rows: int = 1
+  train_pack_width: int = 0  # positions per packed row (0: prompt + max_new_tokens)
+  train_pack_rows: int = 1  # packed rows per micro-batch (rounded up to the data-parallel size)
 
   def __post_init__(self):
     w = "RolloutConfig"
