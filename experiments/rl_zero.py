@@ -48,14 +48,17 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # measured in this configuration). A 32-token draft vocabulary: with 16 (digits, '+=,#', EOS
 # and 'a') the head could never draft a step's letter b..z, one scratchpad token in seven, and
 # acceptance length was 2.1-2.5 over three runs; with 32 (the most frequent tokens, the early
-# letters among them), 2.6-2.9 over eight. Measured in docs/BENCHMARKS.md ("Main job").
+# letters among them), 2.6-2.9 over eight. 220 offline head steps, not 150: on a base pretrained
+# on another host, 150 steps left the TTT loss at 1.46 (step-0 agreement 0.80, acceptance
+# 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95, 3.26, 1.58x) for 26 s more, 300 to
+# 0.20 (0.97, 3.30, 1.63x) for 62 s more. Measured in docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
     name="rl_zero",
     base=BaseModelConfig(steps=800, examples=6000, batch_size=32, lr=3e-3, bias=0.7,
                          pretrain_layers=2, pretrain_mlp_hidden=512),
-    draft_init=DraftInitConfig(steps=150, prompts=64, batch_size=8, draft_vocab=32,
+    draft_init=DraftInitConfig(steps=220, prompts=64, batch_size=8, draft_vocab=32,
                                head_mlp_hidden=512),
     rl=RLConfig(
         model=ModelConfig(vocab_size=64, hidden_size=256, num_layers=8, num_heads=4,
