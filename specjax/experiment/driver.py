@@ -110,7 +110,8 @@ class ExperimentConfig:
   compare: bool = True  # also run the AR baseline (False: only the configured rollout mode)
   # sync RL with both arms: run them step by step in turn in this process (AR step 1, spec step
   # 1, AR step 2, ...), so that both see the machine in the same state and its drift does not
-  # enter the speedups; False: the AR run to its end, then the speculative one
+  # enter the speedups. Both arms' train states are held at once (twice the memory of one run);
+  # False: the AR run to its end, then the speculative one
   interleave: bool = True
   base: BaseModelConfig = BaseModelConfig()
   draft_init: DraftInitConfig = DraftInitConfig()
