@@ -10,11 +10,6 @@ from __future__ import annotations
 
 import numpy as np
 
-# fields of a TrainBatch that hold one value per position [B, S]; `advantages` [B] becomes one too
-POSITION_FIELDS = ("tokens", "loss_mask", "old_logprobs", "ref_logprobs", "pg_weights",
-                   "sampler_logprobs")
-
-
 def sequence_extents(loss_mask: np.ndarray) -> np.ndarray:
   """int[B]: positions each row uses (prompt + completion = one past its last loss position); 0
   for a row without completion tokens (it adds nothing to the loss and is left out)."""
@@ -61,7 +56,6 @@ def pack(fields: dict[str, np.ndarray | None], width: int, rows_per_micro: int) 
   src_col = np.zeros((n_rows, width), np.int64)
   real = np.zeros((n_rows, width), bool)
   segment = np.full((n_rows, width), -1, np.int32)
-  positions = np.zeros((n_rows, width), np.int32)
   for r, seqs in enumerate(rows):
     at = 0
     for s, i in enumerate(seqs):
@@ -70,7 +64,6 @@ def pack(fields: dict[str, np.ndarray | None], width: int, rows_per_micro: int) 
       src_col[r, at:at + n] = np.arange(n)
       real[r, at:at + n] = True
       segment[r, at:at + n] = s
-      positions[r, at:at + n] = np.arange(n)
       at += n
   packed: dict[str, np.ndarray | None] = {}
   for name, x in fields.items():
@@ -80,7 +73,7 @@ def pack(fields: dict[str, np.ndarray | None], width: int, rows_per_micro: int) 
     x = np.asarray(x)
     per_pos = x[:, None].repeat(mask.shape[1], axis=1) if name == "advantages" else x
     packed[name] = np.where(real, per_pos[src_row, src_col], np.zeros((), per_pos.dtype))
-  packed["positions"] = positions
+  packed["positions"] = src_col.astype(np.int32)  # each sequence's own positions, from 0
   packed["segment_ids"] = segment
   packed["seq_lengths"] = np.where(real, mask.sum(axis=1)[src_row], 0).astype(np.float32)
   return [{k: (None if v is None else v[i:i + rows_per_micro]) for k, v in packed.items()}
