@@ -79,7 +79,9 @@ def test_tokens_and_cache_are_sharded_on_the_batch_axes(sharded_runs):
   _, _, toks, cache, _ = sharded_runs[(2, 2, 2)]
   assert toks.sharding.spec == P(("data", "fsdp"), None)
   assert {s.data.shape for s in toks.addressable_shards} == {(2, 8)}
-  assert cache.k[0].sharding.spec == P(("data", "fsdp"), None, "tensor", None)
+  # keys [B, Hkv, Dh, S], values [B, Hkv, S, Dh]: rows on the batch axes, kv heads on tensor
+  assert cache.k[0].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
+  assert cache.v[0].sharding.spec == P(("data", "fsdp"), "tensor", None, None)
   assert cache.lengths.sharding.spec == P(("data", "fsdp"))
   _, _, toks8, _, _ = sharded_runs[(8, 1, 1)]
   assert toks8.sharding.spec == P("data", None)

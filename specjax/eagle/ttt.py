@@ -28,6 +28,7 @@ from flax import nnx
 from specjax.eagle.head import Eagle3Head
 from specjax.eagle.vocab import VocabMaps
 from specjax.models.attention import causal_attention_with_own_keys
+from specjax.models.cache import KVCache
 from specjax.models.chunked import soft_cross_entropy
 
 
@@ -57,8 +58,8 @@ def ttt_forward(head: Eagle3Head, embed_table: jax.Array, aux_hidden: jax.Array,
     raise ValueError(f"ttt: num_steps must be >= 1, got {num_steps}")
   b, t = tokens.shape
   cfg = head.cfg.target
-  kbuf = jnp.zeros((b, num_steps * t, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
-  kv = (kbuf, kbuf)
+  buf = KVCache.create(1, b, num_steps * t, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)
+  kv = (buf.k[0], buf.v[0])
   h = head.fuse(jax.lax.stop_gradient(aux_hidden))
   logits = []
   for i in range(num_steps):  # static, small: one block of keys per unrolled step

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.attention import causal_attention
-from specjax.models.cache import write_rows
+from specjax.models.cache import write_keys, write_values
 from specjax.models.config import ModelConfig, RopeScaling
 
 NEG_INF = -1e30
@@ -80,6 +80,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   return out.reshape(b, t, h, dh)
 
 
+def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+  """`attend` over KV-cache buffers (`KVCache` layout): q [B,T,H,Dh], k [B,Hkv,Dh,S],
+  v [B,Hkv,S,Dh], mask bool[B,T,S] -> [B,T,H,Dh]."""
+  b, t, h, dh = q.shape
+  hkv = k.shape[1]
+  q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+  scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
+  scores = scores / math.sqrt(dh)
+  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
 class Attention(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, in_dim: int | None = None,
                in_axis: str = "embed"):
@@ -104,20 +118,21 @@ class Attention(nnx.Module):
   def __call__(self, x, positions, mask, kv: tuple[jax.Array, jax.Array] | None = None,
                write_at: jax.Array | None = None, visible: int | None = None,
                segments: jax.Array | None = None):
-    """Returns (out [B,T,d], (k, v)): with `kv` the cache buffers are returned with the new entries
-    written at `write_at[b]`; without it, the fresh k/v of this call. `visible` (static): attend
+    """Returns (out [B,T,d], (k, v)): with `kv` (a layer's `KVCache` buffers) the buffers are
+    returned with the new entries written at `write_at[b]`; without it, the fresh k/v of this
+    call ([B,T,Hkv,Dh]). `visible` (static): attend
     over the first `visible` cache positions only (mask [B, T, visible]). `segments` int[B, T]
     (mask None, packed rows): causal by index within each segment."""
     dt = self.dtype
     q, k, v = self.project(x, positions)
     if kv is not None:
-      k = write_rows(kv[0], k, write_at)
-      v = write_rows(kv[1], v, write_at)
-    if mask is None:  # full sequence, causal by index (no cache): memory linear in T
+      k, v = write_keys(kv[0], k, write_at), write_values(kv[1], v, write_at)
+      ks, vs = (k, v) if visible is None else (k[..., :visible], v[:, :, :visible])
+      out = attend_cache(q, ks.astype(dt), vs.astype(dt), mask)
+    elif mask is None:  # full sequence, causal by index (no cache): memory linear in T
       out = causal_attention(q, k, v, block=self.attention_block, segments=segments)
     else:
-      ks, vs = (k, v) if visible is None else (k[:, :visible], v[:, :visible])
-      out = attend(q, ks.astype(dt), vs.astype(dt), mask)
+      out = attend(q, k.astype(dt), v.astype(dt), mask)
     return self.output(out), (k, v)
 
   def project(self, x, positions):

@@ -22,7 +22,7 @@ from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.processing import sample_token
 from specjax.sampling.rejection import verify
-from specjax.sharding.rules import CACHE_AXES, with_logical_constraint
+from specjax.sharding.rules import K_CACHE_AXES, V_CACHE_AXES, with_logical_constraint
 
 
 @struct.dataclass
@@ -56,8 +56,9 @@ def constrain(state: EngineState, mesh) -> EngineState:
 
   def one(x):
     if is_cache(x):
-      kv = lambda a: with_logical_constraint(a, CACHE_AXES, mesh)
-      return x.replace(k=tuple(map(kv, x.k)), v=tuple(map(kv, x.v)),
+      k = lambda a: with_logical_constraint(a, K_CACHE_AXES, mesh)
+      v = lambda a: with_logical_constraint(a, V_CACHE_AXES, mesh)
+      return x.replace(k=tuple(map(k, x.k)), v=tuple(map(v, x.v)),
                        lengths=with_logical_constraint(x.lengths, ("batch",), mesh))
     return with_logical_constraint(x, ("batch",) + (None,) * (x.ndim - 1), mesh)
 

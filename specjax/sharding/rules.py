@@ -36,7 +36,9 @@ DEFAULT_RULES: Rules = MappingProxyType({
     "layers": None,
 })
 
-CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+# KV-cache buffers (`specjax.models.KVCache`): keys [B, Hkv, Dh, S], values [B, Hkv, S, Dh]
+K_CACHE_AXES = ("batch", "kv_heads", "head_dim", "cache_seq")
+V_CACHE_AXES = ("batch", "kv_heads", "cache_seq", "head_dim")
 TOKEN_AXES = ("batch", "sequence")
 
 
@@ -193,10 +195,11 @@ def create_sharded(make_model: Callable[[], nnx.Module], mesh: Mesh,
 # -- activations -----------------------------------------------------------------------------
 
 def cache_shardings(cache: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
-  """Shardings for a KVCache (k/v [B, S, Hkv, Dh] per layer, lengths [B]): rows on the batch
-  axes, kv heads on tensor, as the parameters that produce them."""
-  kv = lambda x: logical_sharding(mesh, CACHE_AXES, x.shape, rules)
-  return cache.replace(k=tuple(kv(x) for x in cache.k), v=tuple(kv(x) for x in cache.v),
+  """Shardings for a KVCache (per layer k [B, Hkv, Dh, S], v [B, Hkv, S, Dh]; lengths [B]): rows
+  on the batch axes, kv heads on tensor, as the parameters that produce them."""
+  k = lambda x: logical_sharding(mesh, K_CACHE_AXES, x.shape, rules)
+  v = lambda x: logical_sharding(mesh, V_CACHE_AXES, x.shape, rules)
+  return cache.replace(k=tuple(k(x) for x in cache.k), v=tuple(v(x) for x in cache.v),
                        lengths=logical_sharding(mesh, ("batch",), cache.lengths.shape, rules))
 
 
