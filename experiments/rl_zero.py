@@ -51,7 +51,9 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # letters among them), 2.6-2.9 over eight. 220 offline head steps, not 150: on a base pretrained
 # on another host, 150 steps left the TTT loss at 1.46 (step-0 agreement 0.80, acceptance
 # 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95, 3.26, 1.58x) for 26 s more, 300 to
-# 0.20 (0.97, 3.30, 1.63x) for 62 s more. Measured in docs/BENCHMARKS.md ("Main job").
+# 0.20 (0.97, 3.30, 1.63x) for 62 s more. Smallest live bucket 2, not 1: a bucket is up to four
+# more programs to compile and calibrate (one per K) in the spec arm's first step (62 -> 39 s),
+# and a one-row tail here lasts a step or two. Measured in docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
@@ -69,7 +71,7 @@ DEFAULTS = ExperimentConfig(
         policy_optim=OptimConfig(lr=2e-4, warmup_steps=2, clip_norm=1.0),
         draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
         draft=DraftConfig(kind="eagle3", draft_len=3, online=False),
-        rollout=RolloutConfig(temperature=0.7, max_new_tokens=7 * TRACE_STEPS - 3),
+        rollout=RolloutConfig(temperature=0.7, max_new_tokens=7 * TRACE_STEPS - 3, min_bucket=2),
         validation=ValidationConfig(every=10, num_prompts=64, batch_size=64),
         checkpoint=CheckpointConfig(every=0),  # on exit only: saving costs a step
         steps=30, prompts_per_step=2, seed=0, progress=True),
