@@ -120,9 +120,9 @@ class Attention(nnx.Module):
                segments: jax.Array | None = None):
     """Returns (out [B,T,d], (k, v)): with `kv` (a layer's `KVCache` buffers) the buffers are
     returned with the new entries written at `write_at[b]`; without it, the fresh k/v of this
-    call ([B,T,Hkv,Dh]). `visible` (static): attend
-    over the first `visible` cache positions only (mask [B, T, visible]). `segments` int[B, T]
-    (mask None, packed rows): causal by index within each segment."""
+    call ([B,T,Hkv,Dh]). `visible` (static): attend over the first `visible` cache positions only
+    (mask [B, T, visible]). `segments` int[B, T] (mask None, packed rows): causal by index within
+    each segment."""
     dt = self.dtype
     q, k, v = self.project(x, positions)
     if kv is not None:

@@ -13,7 +13,7 @@ from specjax.sharding.rules import (DEFAULT_RULES, K_CACHE_AXES, TOKEN_AXES, V_C
 __all__ = [
     "DistributedConfig", "global_batch", "initialize_distributed", "process_rows", "MESH_AXES",
     "MeshConfig", "make_mesh", "split_mesh", "transfer", "K_CACHE_AXES", "V_CACHE_AXES",
-    "DEFAULT_RULES", "TOKEN_AXES", "batch_sharding", "cache_shardings", "create_sharded", "logical_sharding",
-    "logical_to_spec", "optimizer_shardings", "shard_batch", "shard_model", "state_shardings",
-    "with_logical_constraint",
+    "DEFAULT_RULES", "TOKEN_AXES", "batch_sharding", "cache_shardings", "create_sharded",
+    "logical_sharding", "logical_to_spec", "optimizer_shardings", "shard_batch", "shard_model",
+    "state_shardings", "with_logical_constraint",
 ]
