@@ -201,6 +201,36 @@ def test_buckets_and_windows():
   assert eng.window_for(10, 3, 0, 1024) == 0
 
 
+def test_prompt_groups_are_found_only_where_rows_repeat_and_divide_over_the_mesh():
+  grouped = jnp.repeat(PROMPTS[:2], 4, axis=0)
+  lengths = jnp.repeat(PROMPT_LENGTHS[:2], 4)
+  assert eng.prompt_group(grouped, lengths) == 4
+  assert eng.prompt_group(grouped, lengths, dp=4) == 2  # 2 prompts cannot feed 4 devices
+  assert eng.prompt_group(grouped, lengths, dp=8) == 1
+  assert eng.prompt_group(PROMPTS, PROMPT_LENGTHS) == 1
+  assert eng.prompt_group(grouped.at[4:6, 0].add(1), lengths) == 2  # two rows differ
+  assert eng.prompt_group(grouped.at[5, 0].add(1), lengths) == 1
+  assert eng.prompt_group(grouped, lengths.at[3].add(-1)) == 1  # same tokens, another length
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram"])
+def test_a_shared_prefill_for_grouped_prompts_changes_no_rollout(target, kind):
+  """GRPO groups (2 prompts x 4 rows): one prefill per prompt gives the rollout of 8 prefills,
+  greedy, with compaction and adaptive K on."""
+  prompts, lengths = jnp.repeat(PROMPTS[1:3], 4, axis=0), jnp.repeat(PROMPT_LENGTHS[1:3], 4)
+  cfg = dataclasses.replace(GREEDY, eos_ids=())
+  assert eng.prompt_group(prompts, lengths) == 4
+
+  def run(share):
+    engine = dataclasses.replace(ENGINE, share_prefill=share)
+    if kind == "ar":
+      return generate(target, prompts, lengths, jax.random.key(0), cfg, engine=engine)
+    return speculative_generate(target, NgramDrafter(draft_len=2), (), prompts, lengths,
+                                jax.random.key(0), cfg, engine=engine)
+
+  assert_same_rollout(run(True), run(False))
+
+
 def test_new_params_reuse_every_compiled_program(target):
   graphdef, params = nnx.split(target)
   generate((graphdef, params), PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=ENGINE)

@@ -56,6 +56,9 @@ class EngineConfig:
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
   min_gain: float = 0.05  # draft only when expected tokens/s beat plain AR by this fraction
+  # prefill each distinct prompt once when the rows come in blocks of identical prompts (GRPO
+  # groups: G samples per prompt, consecutive); the rows' samples stay independent
+  share_prefill: bool = True
 
   def __post_init__(self):
     def check(ok, field, msg):
@@ -131,6 +134,23 @@ def bucket_sizes(batch: int, dp: int = 1, min_bucket: int = 1, max_buckets: int 
     if b < batch and b % dp == 0 and b >= max(min_bucket, dp) and len(out) < max_buckets:
       out.append(b)
   return out
+
+
+def prompt_group(prompts, prompt_lengths, dp: int = 1) -> int:
+  """The largest g such that the rows come in consecutive blocks of g identical prompts (GRPO
+  groups) and the distinct prompts still divide over the data-parallel size `dp`; 1 when no
+  block repeats or the prompts are not all on this host (a multi-process array)."""
+  if not all(getattr(x, "is_fully_addressable", True) for x in (prompts, prompt_lengths)):
+    return 1
+  p, lengths = np.asarray(prompts), np.asarray(prompt_lengths)
+  batch = p.shape[0]
+  for g in range(batch, 1, -1):
+    if batch % g or (batch // g) % dp:
+      continue
+    blocks, lens = p.reshape(batch // g, g, -1), lengths.reshape(batch // g, g)
+    if (blocks == blocks[:, :1]).all() and (lens == lens[:, :1]).all():
+      return g
+  return 1
 
 
 def window_for(longest: int, draft_len: int, block: int, cache_size: int) -> int:
@@ -210,7 +230,7 @@ def best_draft_len(expected_tokens: dict[int, float], step_costs: dict[int, floa
 # -- the engine -----------------------------------------------------------------------------------
 
 _init_jit = jax.jit(init_state, static_argnames=("graphdef", "drafter", "cfg", "cache_size",
-                                                 "max_draft_len", "mesh"))
+                                                 "max_draft_len", "mesh", "group"))
 _segment_jit = jax.jit(run_segment, static_argnames=("graphdef", "drafter", "spec", "mesh"))
 _take_jit = jax.jit(take_rows)
 _finish_jit = jax.jit(finish, static_argnames=("cfg",))
@@ -441,13 +461,14 @@ class _Run:
         if compact else bucket_sizes(batch, dp, batch)
     init_drafter = None if self.drafter is None else \
         dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
+    group = prompt_group(prompts, prompt_lengths, dp) if self.engine.share_prefill else 1
     key_prefill, key_loop = jax.random.split(key)
     # calibration and bucket preparation run segments with a key of the caller's kind (a typed
     # key or raw uint32[2]: they are different programs), so they compile what the run uses
     self.probe_key = jax.random.fold_in(key_loop, 2**31 - 1)
     state = _init_jit(self.graphdef, self.params, init_drafter, self.drafter_params, prompts,
                       prompt_lengths, key_prefill, cfg=self.cfg, cache_size=self.cache_size,
-                      max_draft_len=max(self.k_max, 1), mesh=self.mesh)
+                      max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group)
     self.prepare_buckets(state, buckets)
     out, bucket, total_steps = state, batch, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)

@@ -82,12 +82,22 @@ def scatter(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) 
 
 def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompts, prompt_lengths,
                key, cfg: SamplingConfig, cache_size: int, max_draft_len: int,
-               mesh=None) -> EngineState:
-  """Prefill the prompts, sample each row's first token, let the drafter see the prompts."""
+               mesh=None, group: int = 1) -> EngineState:
+  """Prefill the prompts, sample each row's first token, let the drafter see the prompts.
+
+  `group` > 1: the rows come in consecutive blocks of `group` copies of one prompt (a GRPO group),
+  so the target prefills each distinct prompt once and every row of a block gets its cache,
+  hidden states and last logits; each row still samples its own first token."""
   target = nnx.merge(graphdef, params)
   batch, width = prompts.shape
   n = cfg.max_new_tokens
-  pre_out, cache, logits = prefill(target, prompts, prompt_lengths, cache_size)
+  if group > 1:
+    pre_out, cache, logits = prefill(target, prompts[::group], prompt_lengths[::group],
+                                     cache_size)
+    pre_out, cache, logits = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0),
+                                          (pre_out.replace(cache=None), cache, logits))
+  else:
+    pre_out, cache, logits = prefill(target, prompts, prompt_lengths, cache_size)
   first, first_lp = sample_token(key, logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                  top_p=cfg.top_p)
   rows = jnp.arange(batch)
