@@ -67,15 +67,20 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
   return out.astype(x.dtype)
 
 
+def _attention_probs(scores: jax.Array, mask: jax.Array, head_dim: int, dtype) -> jax.Array:
+  """Softmax over the keys of scores [B, Hkv, G, T, S] / sqrt(head_dim), masked by bool[B, T, S]."""
+  scores = scores / math.sqrt(head_dim)
+  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
+  return jax.nn.softmax(scores, axis=-1).astype(dtype)
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
   """Grouped-query attention. q [B,T,H,Dh], k/v [B,S,Hkv,Dh], mask bool[B,T,S] -> [B,T,H,Dh]."""
   b, t, h, dh = q.shape
   hkv = k.shape[2]
   q = q.reshape(b, t, hkv, h // hkv, dh)
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(dh)
-  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  probs = _attention_probs(scores, mask, dh, v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
   return out.reshape(b, t, h, dh)
 
@@ -87,9 +92,7 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> j
   hkv = k.shape[1]
   q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
   scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
-  scores = scores / math.sqrt(dh)
-  scores = jnp.where(mask[:, None, None, :, :], scores, NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+  probs = _attention_probs(scores, mask, dh, v.dtype)
   out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
