@@ -130,7 +130,8 @@ def test_a_packed_step_is_the_padded_step(policy, agg, width, rows, beta):
   assert packed.packing and not padded.packing
   sp, mp = packed.step(packed.init_state(params), batch)
   sq, mq = padded.step(padded.init_state(params), batch)
-  assert set(mp) == set(mq)
+  assert set(mp) - set(mq) == {"train/skipped_seqs", "train/packed_rows"} - (
+      set() if packed.step_cfg.skip_zero_advantage else {"train/skipped_seqs"})
   for k in mq:
     np.testing.assert_allclose(float(mp[k]), float(mq[k]), rtol=2e-5, atol=2e-6, err_msg=k)
   assert float(mq["clip_frac"]) > 0  # ratios != 1: the old logprobs are used
@@ -141,17 +142,78 @@ def test_a_packed_step_is_the_padded_step(policy, agg, width, rows, beta):
   assert moved
 
 
+def _close(a, b, err_msg=""):
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=err_msg)
+
+
+def test_sequences_with_zero_advantage_are_left_out_and_the_update_is_unchanged(policy):
+  """A GRPO group whose samples all scored the same has advantage exactly 0: the packed step
+  leaves its sequences out, yet the update equals the padded step on the whole batch (same
+  loss denominators); token-mean metrics are those of the sequences trained on."""
+  graphdef, params = policy
+  batch = _batch(7)
+  adv = np.asarray(batch.advantages).copy()
+  adv[4:] = 0.0  # the second group (rows 4-7)
+  batch = batch.replace(advantages=jnp.asarray(adv))
+  skip, padded = Trainer(_cfg("token-mean", True), graphdef), \
+      Trainer(_cfg("token-mean", False), graphdef)
+  keep_all = Trainer(_cfg("token-mean", True).replace(rollout=dataclasses.replace(
+      _cfg("token-mean", True).rollout, train_skip_zero_advantage=False)), graphdef)
+  assert skip.step_cfg.skip_zero_advantage and not keep_all.step_cfg.skip_zero_advantage
+  ss, ms = skip.step(skip.init_state(params), batch)
+  sp, mp = padded.step(padded.init_state(params), batch)
+  _, mk = keep_all.step(keep_all.init_state(params), batch)
+  # row 1 has no completion tokens: 4 of the 7 sequences with tokens are left out
+  assert float(ms["train/skipped_seqs"]) == pytest.approx(4 / 7)
+  assert float(ms["train/packed_rows"]) < float(mk["train/packed_rows"])
+  for a, b in zip(_leaves(ss.params), _leaves(sp.params)):
+    _close(a, b)
+  for k in ("pg_loss", "grad_norm/policy"):
+    _close(ms[k], mp[k], k)
+  # token means over rows 0-3 only: the padded step on the batch without rows 4-7's tokens
+  mask = np.asarray(batch.loss_mask).copy()
+  mask[4:] = 0.0
+  _, mt = padded.step(padded.init_state(params), batch.replace(loss_mask=jnp.asarray(mask)))
+  assert float(mt["clip_frac"]) > 0
+  for k in ("entropy", "clip_frac", "ratio_mean", "approx_kl_old"):
+    _close(ms[k], mt[k], k)
+
+
+def test_a_batch_of_zero_advantages_trains_on_nothing_and_still_applies_the_update(policy):
+  """Every advantage 0: no forward or backward, zero gradients into AdamW (weight decay still
+  moves the parameters, as in the padded step), no token-mean metrics; with beta > 0 (the KL
+  term reads every sequence) nothing is left out."""
+  graphdef, params = policy
+  batch = _batch(8)
+  batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
+  skip, padded = Trainer(_cfg("token-mean", True), graphdef), \
+      Trainer(_cfg("token-mean", False), graphdef)
+  ss, ms = skip.step(skip.init_state(params), batch)
+  sp, mp = padded.step(padded.init_state(params), batch)
+  assert float(ms["train/skipped_seqs"]) == 1.0 and float(ms["train/packed_rows"]) == 0
+  assert not set(ms) & ts.TOKEN_MEAN_METRICS and "entropy" in mp
+  moved = False
+  for a, b, init in zip(_leaves(ss.params), _leaves(sp.params), _leaves(params)):
+    _close(a, b)
+    moved |= bool(np.any(a != init))
+  assert moved  # weight decay
+  assert not Trainer(_cfg("token-mean", True, beta=0.1), graphdef).step_cfg.skip_zero_advantage
+
+
 def test_on_policy_packed_steps_compile_once_for_batches_of_any_lengths(policy):
   graphdef, params = policy
   trainer = Trainer(_cfg("token-mean", True), graphdef)
   state = trainer.init_state(params)
   sizes = []
-  for seed, longest in ((3, 20), (4, 3), (5, 12)):
+  # the first batch trains on nothing (every advantage 0): it compiles the step all the same
+  for seed, longest, zero in ((9, 20, True), (3, 20, False), (4, 3, False), (5, 12, False)):
     batch = _batch(seed, longest).replace(old_logprobs=None)
+    if zero:
+      batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
     state, m = trainer.step(state, batch, donate=True)
     assert np.isfinite(float(m["pg_loss"]))
     sizes.append((ts._accumulate_jit._cache_size(), ts._apply_jit_donated._cache_size()))
-  assert sizes[0] == sizes[1] == sizes[2], sizes
+  assert sizes[0] == sizes[1] == sizes[2] == sizes[3], sizes
 
 
 def test_a_packed_step_on_a_mesh_equals_one_device(policy):
@@ -165,7 +227,8 @@ def test_a_packed_step_on_a_mesh_equals_one_device(policy):
   assert sharded.pack_rows == 4 and single.pack_rows == 1
   s1, m1 = sharded.step(sharded.init_state(params), batch)
   s2, m2 = single.step(single.init_state(params), batch)
-  for k in m2:
+  assert m1["train/packed_rows"] == 8 and m2["train/packed_rows"] == 5  # 4 rows per micro-batch
+  for k in set(m2) - {"train/packed_rows"}:
     np.testing.assert_allclose(float(m1[k]), float(m2[k]), rtol=2e-5, atol=2e-6, err_msg=k)
   for a, b in zip(_leaves(s1.params), _leaves(s2.params)):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)

@@ -144,6 +144,12 @@ class RolloutConfig:
   train_packing: bool = True
   train_pack_width: int = 0  # positions per packed row (0: prompt + max_new_tokens)
   train_pack_rows: int = 1  # packed rows per micro-batch (rounded up to the data-parallel size)
+  # the packed train step leaves out the sequences whose every advantage is exactly 0 (a GRPO
+  # group whose samples all scored the same) when nothing else in the loss reads them (beta ==
+  # 0): their gradient is exactly zero and the loss keeps the whole batch's denominators, so the
+  # update is the same up to float summation order. Token-mean metrics (entropy, ratios, clip
+  # fractions, sampler mismatch) are then over the sequences trained on
+  train_skip_zero_advantage: bool = True
 
   def __post_init__(self):
     w = "RolloutConfig"

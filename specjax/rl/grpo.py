@@ -85,6 +85,13 @@ class LossDenominators:
   seqs: jax.Array  # float32 scalar: sequences in the full batch
   # float32 scalar: Dr.GRPO's constant length (the largest completion, e.g. max_new_tokens)
   norm_len: jax.Array | None = None
+  # float32 scalar: completion tokens the token-mean metrics average over (None: `tokens`); the
+  # tokens of the sequences a packed step trains on when it leaves some out
+  metric_tokens: jax.Array | None = None
+
+  @property
+  def metric_denominator(self) -> jax.Array:
+    return self.tokens if self.metric_tokens is None else self.metric_tokens
 
 
 def denominators(mask: jax.Array, norm_len: int | None = None) -> LossDenominators:
@@ -149,7 +156,7 @@ def grpo_loss(logprobs: jax.Array, old_logprobs: jax.Array, advantages: jax.Arra
     kl = k3_kl(logprobs, ref_logprobs)
     per_token = per_token + cfg.beta * kl
   loss = aggregate(per_token, mask, cfg.loss_agg, denom, seq_lengths)
-  tok = lambda x: jnp.sum(x.astype(jnp.float32) * mask) / denom.tokens
+  tok = lambda x: jnp.sum(x.astype(jnp.float32) * mask) / denom.metric_denominator
   metrics = {
       "pg_loss": aggregate(pg, mask, cfg.loss_agg, denom, seq_lengths),
       "kl": tok(kl),

@@ -12,6 +12,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx, struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -162,6 +163,9 @@ class TrainStepConfig:
   # width), pack_rows rows per micro-batch; pack_rows 0: no packing
   pack_width: int = 0
   pack_rows: int = 0
+  # packed steps leave out sequences whose advantages are all exactly 0 (RolloutConfig.
+  # train_skip_zero_advantage, and only while beta == 0: the KL term reads every sequence)
+  skip_zero_advantage: bool = False
 
   @classmethod
   def from_rl(cls, cfg: RLConfig) -> "TrainStepConfig":
@@ -173,7 +177,8 @@ class TrainStepConfig:
                draft_method=d.method, draft_online=d.online,
                draft_loss_weight=d.loss_weight, ttt_steps=d.ttt_steps,
                loss_norm_len=r.max_new_tokens, pack_width=r.train_pack_width,
-               pack_rows=r.train_pack_rows if cfg.packs_train_batch else 0)
+               pack_rows=r.train_pack_rows if cfg.packs_train_batch else 0,
+               skip_zero_advantage=r.train_skip_zero_advantage and cfg.grpo.beta == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,10 +267,10 @@ class Trainer:
     old = jax.lax.stop_gradient(lp) if batch.old_logprobs is None else batch.old_logprobs
     loss, metrics = grpo_loss(lp, old, batch.advantages, mask, c.grpo, ref,
                               denom, pg_weights=batch.pg_weights, seq_lengths=batch.seq_lengths)
-    metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask) / denom.tokens
+    metrics["entropy"] = jnp.sum(jax.lax.stop_gradient(entropy) * mask) / denom.metric_denominator
     if batch.sampler_logprobs is not None:
       delta = jnp.abs(jax.lax.stop_gradient(lp) - batch.sampler_logprobs) * mask
-      metrics["mismatch/mean_abs"] = jnp.sum(delta) / denom.tokens
+      metrics["mismatch/mean_abs"] = jnp.sum(delta) / denom.metric_denominator
       metrics["mismatch/max_abs"] = jnp.max(delta)
     if self.online:
       draft_loss, dm = self.method.online_loss(DraftLossInputs(
@@ -321,6 +326,16 @@ class Trainer:
     """Zeros shaped like `_accumulate_packed`'s (grads, metrics)."""
     shapes = jax.eval_shape(self._grads, state, batch, draft_weight, denom)
     return self._place_acc(state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
+
+  def _commit_acc(self, state: TrainState, acc):
+    """`_zero_acc`'s output placed (committed) as `_accumulate_packed` returns it, so that the
+    update reuses its compiled program."""
+    if self.mesh is None:
+      return jax.device_put(acc, jax.devices()[0])
+    from specjax.sharding import state_shardings
+    replicated = NamedSharding(self.mesh, P())
+    return jax.device_put(acc, ({g: state_shardings(p, self.mesh) for g, p in
+                                 state.params.items()}, jax.tree.map(lambda _: replicated, acc[1])))
 
   def _place_acc(self, state: TrainState, acc):
     """Accumulated gradients sharded like the params (metrics replicated), so every micro-batch
@@ -381,24 +396,51 @@ class Trainer:
   def _packed_step(self, state: TrainState, batch: TrainBatch, draft_weight, donate: bool):
     """One optimizer step on `batch` packed (`specjax.rl.packing`): gradients summed over its
     micro-batches of [pack_rows, width] (one compiled program whatever the batch's lengths),
-    then one update; the same step as on the padded batch, up to float summation order."""
+    then one update; the same step as on the padded batch, up to float summation order.
+
+    With `skip_zero_advantage` the sequences whose advantages are all exactly 0 are left out of
+    the packing (their gradient is exactly 0; the loss keeps the whole batch's denominators);
+    when that leaves nothing, the update applies zero gradients (AdamW's moments and weight
+    decay still move, as in the full step) and the token-mean metrics are left out."""
     from specjax.rl.packing import pack
 
     if batch.positions is not None:
       raise ValueError("Trainer.step: the batch is packed already; pass the [B, S] batch")
     host = jax.device_get(batch)
-    denom = denominators(jnp.asarray(host.loss_mask, jnp.float32), self.step_cfg.loss_norm_len)
+    mask = np.asarray(host.loss_mask, np.float32)
+    denom = denominators(jnp.asarray(mask), self.step_cfg.loss_norm_len)
     width = self.step_cfg.pack_width or host.tokens.shape[1]
     fields = {f.name: getattr(host, f.name) for f in dataclasses.fields(TrainBatch)
               if f.name not in ("positions", "segment_ids", "seq_lengths")}
+    skipped = np.zeros(mask.shape[0], bool)
+    if self.step_cfg.skip_zero_advantage:
+      skipped = zero_advantage_rows(host.advantages, mask) & (mask.sum(axis=1) > 0)
+      fields["loss_mask"] = np.where(skipped[:, None], 0.0, mask).astype(mask.dtype)
+    # always set (one pytree structure, one compiled program, whether or not rows are left out)
+    denom = denom.replace(metric_tokens=jnp.float32(max(fields["loss_mask"].sum(), 1.0)))
+    micros = pack(fields, width, self.pack_rows)
+    trained = bool(np.asarray(fields["loss_mask"]).any())
     acc = None
-    for micro in pack(fields, width, self.pack_rows):
+    for micro in micros:
       micro = self.place_batch(TrainBatch(**micro))
-      if acc is None:
-        acc = _zero_acc_jit(self, state, micro, draft_weight, denom)
+      if acc is None:  # committed like the sums: every micro-batch calls one program
+        acc = self._commit_acc(state, _zero_acc_jit(self, state, micro, draft_weight, denom))
+      signature = (self, jax.tree.structure(micro),
+                   tuple((x.shape, x.dtype) for x in jax.tree.leaves(micro)))
+      if not trained and signature in _ACCUMULATED:  # zero gradients
+        break
+      # (nothing to train the first time: one empty micro-batch compiles the program now, as
+      # the run's first step must, so that no later step compiles)
       acc = _accumulate_jit(self, state, acc, micro, draft_weight, denom)
+      _ACCUMULATED.add(signature)
     fn = _apply_jit_donated if donate else _apply_jit
-    return fn(self, state, acc[0], acc[1], draft_weight)
+    new, metrics = fn(self, state, acc[0], acc[1], draft_weight)
+    if not trained:
+      metrics = {k: v for k, v in metrics.items() if k not in TOKEN_MEAN_METRICS}
+    if self.step_cfg.skip_zero_advantage:
+      metrics["train/skipped_seqs"] = float(skipped.sum()) / max(int((mask.sum(1) > 0).sum()), 1)
+    metrics["train/packed_rows"] = float(len(micros) * self.pack_rows if trained else 0)
+    return new, metrics
 
   def train_on_batch(self, state: TrainState, batch: TrainBatch, *,
                      donate: bool = False) -> tuple[TrainState, dict]:
@@ -416,7 +458,10 @@ class Trainer:
       state, m = self.step(state, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch),
                            donate=donate)
       history.append(m)
-    return state, jax.tree.map(lambda *xs: jnp.mean(jnp.stack(xs)), *history)
+    # a minibatch that trains on no sequence has no token-mean metrics: mean over those that do
+    keys = dict.fromkeys(k for m in history for k in m)
+    return state, {k: jnp.mean(jnp.stack([jnp.asarray(m[k]) for m in history if k in m]))
+                   for k in keys}
 
   def grads(self, state: TrainState, batch: TrainBatch, draft_weight: float | None = None):
     w = self.step_cfg.draft_loss_weight if draft_weight is None else draft_weight
@@ -434,6 +479,25 @@ class Trainer:
 _step_jit = jax.jit(lambda t, *args: t._train_step(*args), static_argnums=0)
 _step_jit_donated = jax.jit(lambda t, *args: t._train_step(*args), static_argnums=0,
                             donate_argnums=1)
+
+
+# (trainer, micro-batch structure and shapes) whose accumulation program has run in this
+# process
+_ACCUMULATED: set = set()
+
+# metrics that are means over the trained completion tokens (none when a step trains on none)
+TOKEN_MEAN_METRICS = frozenset({"entropy", "kl", "clip_frac", "clip_low_frac", "clip_high_frac",
+                                "ratio_mean", "approx_kl_old", "mismatch/mean_abs",
+                                "mismatch/max_abs"})
+
+
+def zero_advantage_rows(advantages: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+  """bool[B]: rows whose advantage is exactly 0 at every loss position (advantages [B], one per
+  row, or [B, S], one per position)."""
+  adv = np.asarray(advantages, np.float32)
+  if adv.ndim == 1:
+    return adv == 0.0
+  return np.all((adv == 0.0) | (np.asarray(loss_mask) == 0), axis=1)
 
 
 def _accumulate(name: str, acc: jax.Array, value: jax.Array) -> jax.Array:
