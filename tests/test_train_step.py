@@ -77,6 +77,13 @@ def test_policy_update_is_bitwise_identical_whether_the_draft_learns_or_not(setu
   sp, _ = plain.step(plain.init_state(pp), batch)
   for a, b in zip(_leaves(sp.params["policy"]), _leaves(s1.params["policy"])):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # an offline head (no online loss) rides in the state for the sampler: frozen, weight decay
+  # and lambda > 0 notwithstanding
+  offline = Trainer(CFG.replace(draft=DraftConfig(kind="eagle3", online=False, ttt_steps=2)),
+                    setup["pg"], setup["hg"])
+  so, _ = offline.step(offline.init_state(pp, hp, identity_maps(MODEL.vocab_size)), batch, 1.0)
+  for a, init in zip(_leaves(so.params["draft"]), _leaves(hp)):
+    np.testing.assert_array_equal(a, init)
 
 
 def test_pg_weights_scale_the_policy_gradient_and_leave_the_draft_gradient_alone(setup):

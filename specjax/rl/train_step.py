@@ -352,8 +352,10 @@ class Trainer:
     """The optimizer update of summed `grads`: (new state, metrics)."""
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    # lambda == 0: the draft (params and its optimizer state) stays exactly as it was
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(draft_weight > 0, n, o), new, old)
+    # lambda == 0, or no online draft loss (an offline head rides in the state for the sampler):
+    # the draft (params and its optimizer state) stays exactly as it was, weight decay included
+    keep = ((lambda new, old: jax.tree.map(lambda n, o: jnp.where(draft_weight > 0, n, o), new,
+                                           old)) if self.online else (lambda new, old: old))
     params = dict(params, draft=keep(params["draft"], state.params["draft"]))
     inner = dict(opt_state.inner_states)
     inner["draft"] = keep(inner["draft"], state.opt_state.inner_states["draft"])
