@@ -285,10 +285,10 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task, log=print):
 
   d = cfg.draft_init
   graphdef, params = nnx.split(policy)
-  # the rollouts' sampling settings, not the engine's (compaction, train widths): those do not
-  # change what the head is trained on
-  key = _digest("draft", d, cfg.rl.draft, sampling_config(cfg.rl, tokenizer), cfg.rl.task,
-                policy.cfg, _fingerprint(params))
+  # the rollouts' sampling settings, not the engine's (compaction, train widths, the draft
+  # lengths it may pick): those do not change what the head is trained on
+  key = _digest("draft", d, cfg.rl.draft.kind, cfg.rl.draft.ttt_steps,
+                sampling_config(cfg.rl, tokenizer), cfg.rl.task, policy.cfg, _fingerprint(params))
   path = os.path.join(cfg.cache_dir, f"eagle3-{key}")
   if os.path.isdir(path) and not cfg.fresh:
     log(f"[draft] cached EAGLE-3 head {path}")
