@@ -57,8 +57,10 @@ def summarize(per_seed: dict[int, dict]) -> dict:
                         "differences": diffs, "mean_difference": float(np.mean(diffs)),
                         "p_value": p, "min_possible_p": 2 / 2 ** len(seeds),
                         "agree_at_0.05": p >= 0.05}
-  for key in ("rollout_speedup", "step_speedup", "acceptance_length"):
-    out[key] = arm_stats([per_seed[s][key] for s in seeds if per_seed[s].get(key) is not None])
+  for key in ("rollout_speedup", "step_speedup", "acceptance_length", "train_rows_ratio"):
+    values = [per_seed[s][key] for s in seeds if per_seed[s].get(key) is not None]
+    if values:
+      out[key] = arm_stats(values)
   return out
 
 
@@ -84,6 +86,10 @@ def main(argv=None) -> dict:
   t = result["paired_test"]
   print(f"spec - AR: {t['mean_difference']:+.3f}, sign-flip p = {t['p_value']:.3f} "
         f"(smallest possible {t['min_possible_p']:.3f})")
+  for key in ("rollout_speedup", "step_speedup", "train_rows_ratio"):
+    if key in result:
+      print(f"{key}: {result[key]['mean']:.2f} +- {result[key]['std']:.2f} "
+            f"({', '.join(f'{v:.2f}' for v in result[key]['values'])})")
   return result
 
 

@@ -130,6 +130,11 @@ def test_speedups_skip_steps_that_compiled_in_either_run():
   out = paired_speedups(ar, spec)
   assert out["speedup_steps"] == [2] and out["rollout_speedup"] == 2.0
   assert out["step_speedup"] == 3.0 / 2.0
+  assert "train_rows_ratio" not in out  # runs that logged no packed rows
+  for records, rows in ((ar, [3, 2, 1, 1]), (spec, [9, 3, 1, 1])):
+    for r, n in zip(records, rows):
+      r["train/packed_rows"] = float(n)
+  assert paired_speedups(ar, spec)["train_rows_ratio"] == 1.5  # over step 2 only
 
 
 def test_seed_summary_reports_mean_spread_and_an_exact_paired_test():

@@ -81,6 +81,11 @@ def run_stats(records: list[dict]) -> dict[str, Any]:
       "acceptance_length_mean": float(np.nanmean(acc_len)) if np.isfinite(acc_len).any()
       else None,
       "train_reward": _series(records, "reward/mean")[1],
+      # the packed train step leaves out zero-advantage sequences: how much each run trained on
+      "trained_seq_fraction": _mean_after_compile(
+          [1.0 - r["train/skipped_seqs"] for r in steps if "train/skipped_seqs" in r],
+          [c for r, c in zip(steps, compiled) if "train/skipped_seqs" in r]) if any(
+              "train/skipped_seqs" in r for r in steps) else None,
       "val_steps": val_steps,
       "val_accuracy": val_acc,
       "final_val_accuracy": val_acc[-1] if val_acc else None,
@@ -181,9 +186,14 @@ def paired_speedups(ar_records: list[dict], spec_records: list[dict]) -> dict[st
   def total(runs, key):
     return sum(runs[k][0].get(key, 0.0) for k in common)
 
-  return {"rollout_speedup": total(ar, "time/gen") / max(total(sp, "time/gen"), 1e-12),
-          "step_speedup": total(ar, "time/step") / max(total(sp, "time/step"), 1e-12),
-          "speedup_steps": common}
+  out = {"rollout_speedup": total(ar, "time/gen") / max(total(sp, "time/gen"), 1e-12),
+         "step_speedup": total(ar, "time/step") / max(total(sp, "time/step"), 1e-12),
+         "speedup_steps": common}
+  if total(ar, "train/packed_rows") > 0:
+    # each run trains on its own rollouts: with zero-advantage sequences left out, the train
+    # work differs between the runs by chance, and the step speedup with it
+    out["train_rows_ratio"] = total(sp, "train/packed_rows") / total(ar, "train/packed_rows")
+  return out
 
 
 def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
@@ -228,20 +238,25 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
 def format_table(summary: dict[str, Any]) -> str:
   runs = summary["runs"]
   init = summary.get("initial_validation", {}).get("val/accuracy")
-  lines = [f"{'run':<6}{'rollout s/step':>16}{'step s/step':>13}{'gen share':>11}"
-           f"{'accept len':>12}{'val acc start':>15}{'val acc end':>13}"]
+  lines = [f"{'run':<6}{'rollout s/step':>16}{'train s/step':>14}{'step s/step':>13}"
+           f"{'gen share':>11}{'seqs trained':>14}{'accept len':>12}{'val acc start':>15}"
+           f"{'val acc end':>13}"]
   def fmt(x, spec):
     return "-" if x is None else format(x, spec)
 
   for label, s in runs.items():
     share = s.get("phase_fraction", {}).get("gen")
-    lines.append(f"{label:<6}{fmt(s['rollout_time_s'], '.3f'):>16}{fmt(s['step_time_s'], '.3f'):>13}"
-                 f"{fmt(share, '.0%'):>11}"
+    train = s.get("phase_mean_s", {}).get("train")
+    lines.append(f"{label:<6}{fmt(s['rollout_time_s'], '.3f'):>16}{fmt(train, '.3f'):>14}"
+                 f"{fmt(s['step_time_s'], '.3f'):>13}{fmt(share, '.0%'):>11}"
+                 f"{fmt(s.get('trained_seq_fraction'), '.0%'):>14}"
                  f"{fmt(s['acceptance_length_mean'], '.2f'):>12}{fmt(init, '.3f'):>15}"
                  f"{fmt(s['final_val_accuracy'], '.3f'):>13}")
   if "rollout_speedup" in summary:
+    rows = summary.get("train_rows_ratio")
     lines.append(f"rollout speedup {summary['rollout_speedup']:.2f}x, "
-                 f"step speedup {summary['step_speedup']:.2f}x")
+                 f"step speedup {summary['step_speedup']:.2f}x" +
+                 (f" (spec trained on {rows:.2f}x AR's packed rows)" if rows else ""))
   for label, v in summary.get("validation", {}).items():
     lines.append(f"{label} validation accuracy by step: " +
                  ", ".join(f"{st}:{a:.2f}" for st, a in zip(v["steps"], v["accuracy"])))
