@@ -66,6 +66,8 @@ def run_stats(records: list[dict]) -> dict[str, Any]:
   phases = {k: _mean_after_compile([r.get(f"time/{k}", 0.0) for r in steps], compiled)
             for k in names}
   total_phase = sum(phases.values()) or 1.0
+  skipped = [(r["train/skipped_seqs"], c) for r, c in zip(steps, compiled)
+             if "train/skipped_seqs" in r]
   return {
       "steps": len(steps),
       "rollout_time_s": _mean_after_compile(gen, compiled),  # per step, compile excluded
@@ -82,10 +84,8 @@ def run_stats(records: list[dict]) -> dict[str, Any]:
       else None,
       "train_reward": _series(records, "reward/mean")[1],
       # the packed train step leaves out zero-advantage sequences: how much each run trained on
-      "trained_seq_fraction": _mean_after_compile(
-          [1.0 - r["train/skipped_seqs"] for r in steps if "train/skipped_seqs" in r],
-          [c for r, c in zip(steps, compiled) if "train/skipped_seqs" in r]) if any(
-              "train/skipped_seqs" in r for r in steps) else None,
+      "trained_seq_fraction": _mean_after_compile([1.0 - v for v, _ in skipped],
+                                                  [c for _, c in skipped]) if skipped else None,
       "val_steps": val_steps,
       "val_accuracy": val_acc,
       "final_val_accuracy": val_acc[-1] if val_acc else None,
