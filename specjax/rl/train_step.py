@@ -327,26 +327,27 @@ class Trainer:
     shapes = jax.eval_shape(self._grads, state, batch, draft_weight, denom)
     return self._place_acc(state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
 
+  def _acc_shardings(self, state: TrainState, acc):
+    """(grads sharded like the params, metrics replicated): where the accumulated (grads,
+    metrics) live on the mesh."""
+    from specjax.sharding import state_shardings
+    replicated = NamedSharding(self.mesh, P())
+    return ({g: state_shardings(p, self.mesh) for g, p in state.params.items()},
+            jax.tree.map(lambda _: replicated, acc[1]))
+
   def _commit_acc(self, state: TrainState, acc):
     """`_zero_acc`'s output placed (committed) as `_accumulate_packed` returns it, so that the
     update reuses its compiled program."""
     if self.mesh is None:
       return jax.device_put(acc, jax.devices()[0])
-    from specjax.sharding import state_shardings
-    replicated = NamedSharding(self.mesh, P())
-    return jax.device_put(acc, ({g: state_shardings(p, self.mesh) for g, p in
-                                 state.params.items()}, jax.tree.map(lambda _: replicated, acc[1])))
+    return jax.device_put(acc, self._acc_shardings(state, acc))
 
   def _place_acc(self, state: TrainState, acc):
     """Accumulated gradients sharded like the params (metrics replicated), so every micro-batch
     call sees the same input shardings and reuses one compiled program."""
     if self.mesh is None:
       return acc
-    from specjax.sharding import state_shardings
-    shardings = {g: state_shardings(p, self.mesh) for g, p in state.params.items()}
-    grads = jax.tree.map(jax.lax.with_sharding_constraint, acc[0], shardings)
-    replicated = NamedSharding(self.mesh, P())
-    return grads, jax.tree.map(lambda x: jax.lax.with_sharding_constraint(x, replicated), acc[1])
+    return jax.tree.map(jax.lax.with_sharding_constraint, acc, self._acc_shardings(state, acc))
 
   def _apply(self, state: TrainState, grads, metrics, draft_weight):
     """The optimizer update of summed `grads`: (new state, metrics)."""
@@ -414,9 +415,10 @@ class Trainer:
     width = self.step_cfg.pack_width or host.tokens.shape[1]
     fields = {f.name: getattr(host, f.name) for f in dataclasses.fields(TrainBatch)
               if f.name not in ("positions", "segment_ids", "seq_lengths")}
+    has_tokens = mask.sum(axis=1) > 0
     skipped = np.zeros(mask.shape[0], bool)
-    if self.step_cfg.skip_zero_advantage:
-      skipped = zero_advantage_rows(host.advantages, mask) & (mask.sum(axis=1) > 0)
+    if self.step_cfg.skip_zero_advantage:  # advantages [B]: one per row (the batch is unpacked)
+      skipped = (np.asarray(host.advantages, np.float32) == 0.0) & has_tokens
       fields["loss_mask"] = np.where(skipped[:, None], 0.0, mask).astype(mask.dtype)
     # always set (one pytree structure, one compiled program, whether or not rows are left out)
     denom = denom.replace(metric_tokens=jnp.float32(max(fields["loss_mask"].sum(), 1.0)))
@@ -440,7 +442,7 @@ class Trainer:
     if not trained:
       metrics = {k: v for k, v in metrics.items() if k not in TOKEN_MEAN_METRICS}
     if self.step_cfg.skip_zero_advantage:
-      metrics["train/skipped_seqs"] = float(skipped.sum()) / max(int((mask.sum(1) > 0).sum()), 1)
+      metrics["train/skipped_seqs"] = float(skipped.sum()) / max(int(has_tokens.sum()), 1)
     metrics["train/packed_rows"] = float(len(micros) * self.pack_rows if trained else 0)
     return new, metrics
 
@@ -491,15 +493,6 @@ _ACCUMULATED: set = set()
 TOKEN_MEAN_METRICS = frozenset({"entropy", "kl", "clip_frac", "clip_low_frac", "clip_high_frac",
                                 "ratio_mean", "approx_kl_old", "mismatch/mean_abs",
                                 "mismatch/max_abs"})
-
-
-def zero_advantage_rows(advantages: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
-  """bool[B]: rows whose advantage is exactly 0 at every loss position (advantages [B], one per
-  row, or [B, S], one per position)."""
-  adv = np.asarray(advantages, np.float32)
-  if adv.ndim == 1:
-    return adv == 0.0
-  return np.all((adv == 0.0) | (np.asarray(loss_mask) == 0), axis=1)
 
 
 def _accumulate(name: str, acc: jax.Array, value: jax.Array) -> jax.Array:
