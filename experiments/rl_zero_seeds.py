@@ -1,7 +1,7 @@
 """AR vs speculative RL over several seeds per arm: is the difference in accuracy within noise?
 
 One RL run per arm cannot separate the arms (docs/BENCHMARKS.md: single seeds swing by tens of
-points). This runs `rl_zero.py` once per RL seed, every seed on the same base policy and draft
+points). This runs `rl_zero.py` (or `--experiment rl_think`: `rl_think.py`) once per RL seed, every seed on the same base policy and draft
 head (`--base.seed 0`; cached after the first), both arms of a seed with the same data order, and
 reports per arm the mean and standard deviation of the final greedy validation accuracy and of
 its gain over the base policy, and an exact paired sign-flip permutation test of spec - AR over
@@ -9,19 +9,23 @@ the seeds (two-sided; no distributional assumption; with n seeds the smallest po
 2 / 2^n, so "agree" means "no detectable difference at this n").
 
   python experiments/rl_zero_seeds.py --seeds 0 1 2 [any rl_zero.py flag ...]
+  python experiments/rl_zero_seeds.py --experiment rl_think --seeds 0 1 2 [rl_think.py flags]
 
-Writes <out-dir>/rl_zero_seeds.json (default runs/) and one run directory per seed
-(<out-dir>/rl_zero_seed<s>/, the usual rl_zero report).
+Writes <out-dir>/<experiment>_seeds.json (default runs/) and one run directory per seed
+(<out-dir>/<experiment>_seed<s>/, the experiment's usual report).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import itertools
 import json
 import os
 
 import numpy as np
+
+EXPERIMENTS = ("rl_zero", "rl_think")  # modules beside this file with main(argv) -> summary
 
 
 def sign_flip_test(diffs: list[float]) -> float:
@@ -67,18 +71,22 @@ def summarize(per_seed: dict[int, dict]) -> dict:
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--experiment", choices=EXPERIMENTS, default="rl_zero")
   parser.add_argument("--out-dir", default="runs")
   args, rest = parser.parse_known_args(argv)
-  import rl_zero
+  experiment = importlib.import_module(args.experiment)
 
   per_seed = {}
   for seed in args.seeds:
-    per_seed[seed] = rl_zero.main(["--out-dir", args.out_dir, "--name", f"rl_zero_seed{seed}",
-                                   "--rl.seed", str(seed), "--base.seed", "0", *rest])
-  result = summarize(per_seed)
+    per_seed[seed] = experiment.main(["--out-dir", args.out_dir,
+                                      "--name", f"{args.experiment}_seed{seed}",
+                                      "--rl.seed", str(seed), "--base.seed", "0", *rest])
+  result = dict(summarize(per_seed), experiment=args.experiment)
   os.makedirs(args.out_dir, exist_ok=True)
-  with open(os.path.join(args.out_dir, "rl_zero_seeds.json"), "w") as f:
+  path = os.path.join(args.out_dir, f"{args.experiment}_seeds.json")
+  with open(f"{path}.tmp", "w") as f:
     json.dump(result, f, indent=2)
+  os.replace(f"{path}.tmp", path)
   for arm, s in result["arms"].items():
     final, gain = s["final_accuracy"], s["gain"]
     print(f"{arm}: final accuracy {final['mean']:.3f} +- {final['std']:.3f}, "

@@ -45,14 +45,18 @@ def test_rl_zero_runs_every_stage_and_writes_the_report(tmp_path):
 
 
 @pytest.mark.slow
-def test_rl_think_fine_tunes_a_scratchpad_model_and_runs_spec_rl(tmp_path):
-  import rl_think
+def test_rl_think_through_the_seeds_script_fine_tunes_a_scratchpad_model_and_runs_both_arms(
+    tmp_path):
+  import rl_zero_seeds
 
-  args = ["--out-dir", str(tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
-          "--base.finetune-steps", "3", "--no-compare"] + TINY
-  summary = rl_think.main(args)
-  assert list(summary["runs"]) == ["spec"]
-  assert (tmp_path / "runs" / "rl_think" / "summary.json").exists()
+  out = tmp_path / "runs"
+  result = rl_zero_seeds.main(["--experiment", "rl_think", "--seeds", "0", "--out-dir", str(out),
+                               "--cache-dir", str(tmp_path / "cache"),
+                               "--base.finetune-steps", "3"] + TINY)
+  assert result["experiment"] == "rl_think" and result["seeds"] == [0]
+  assert json.loads((out / "rl_think_seeds.json").read_text()) == result
+  run = json.loads((out / "rl_think_seed0" / "summary.json").read_text())
+  assert sorted(run["runs"]) == ["ar", "spec"] and run["config"]["base"]["finetune_steps"] == 3
 
 
 def test_scratchpad_task_writes_partial_results_and_scores_the_final_answer():

@@ -186,14 +186,14 @@ def _model_cfg(cfg: ExperimentConfig, tokenizer):
 
 
 def _pretrain(model_cfg, examples: list, tokenizer, base: BaseModelConfig, steps: int, seed: int,
-              start=None):
+              start=None, progress: bool = True):
   from specjax.models import Decoder
   from specjax.experiment.pretrain import pretrain_lm
 
   model = start if start is not None else Decoder(model_cfg, rngs=nnx.Rngs(seed))
   model, history = pretrain_lm(model, examples, tokenizer, steps=steps,
                                batch_size=base.batch_size, lr=base.lr, seed=seed,
-                               length_batches=base.length_batches, progress=True)
+                               length_batches=base.length_batches, progress=progress)
   return model, history
 
 
@@ -258,12 +258,12 @@ def base_policy_dir(cfg: ExperimentConfig, tokenizer, task, base_examples: Examp
   log(f"[base] pretraining a {small_cfg.num_params() / 1e6:.2f}M-parameter decoder on the task's "
       f"text ({cfg.base.steps} steps)")
   model, _ = _pretrain(small_cfg, base_examples(task, cfg.base.examples, seed, cfg.base.bias),
-                       tokenizer, cfg.base, cfg.base.steps, seed)
+                       tokenizer, cfg.base, cfg.base.steps, seed, progress=cfg.rl.progress)
   if finetune_examples is not None and cfg.base.finetune_steps:
     log(f"[base] fine-tuning on scratchpad text ({cfg.base.finetune_steps} steps)")
     texts = finetune_examples(task, cfg.base.examples, seed + 1, cfg.base.bias)
     model, _ = _pretrain(small_cfg, texts, tokenizer, cfg.base, cfg.base.finetune_steps, seed + 1,
-                         start=model)
+                         start=model, progress=cfg.rl.progress)
   if small_cfg is not model_cfg:
     from specjax.experiment.grow import grow_decoder
 
