@@ -1,7 +1,8 @@
 """RL-Think: GRPO from a model fine-tuned to write a step-by-step scratchpad before its answer.
 
 Same AR-vs-speculative comparison as rl_zero.py, on longer and harder-to-predict completions
-("12+7-5=" -> "12+7=19,19-5=14#14"): expect a lower acceptance length than RL-Zero.
+("12+7-5=" -> "12+7=19,19-5=14#14"): expect a lower acceptance length than RL-Zero. Several RL
+seeds per arm: `python experiments/rl_zero_seeds.py --experiment rl_think --seeds 0 1 2 3`.
 """
 
 from __future__ import annotations
