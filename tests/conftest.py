@@ -2,7 +2,9 @@
 is importable so that tests can use the scaffolding in `experiments/` (`from experiments import toy`)."""
 
 import os
+import shutil
 import sys
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -15,6 +17,23 @@ if _ROOT not in sys.path:
 
 import jax  # noqa: E402  (after the flags above)
 import pytest  # noqa: E402
+
+# One persistent compilation cache per test run, shared by the pytest-xdist workers (they inherit
+# this process's environment): `_free_compiled_programs` drops every compiled program after each
+# module, and later modules compile many of the same programs (the same tiny models and shapes).
+# A run starts with an empty cache, as on a fresh clone, and the process that made it removes it.
+_CACHE_ENV = "SPECJAX_TEST_COMPILATION_CACHE"
+_OWN_CACHE = _CACHE_ENV not in os.environ and not os.environ.get("JAX_COMPILATION_CACHE_DIR")
+if _OWN_CACHE:
+  os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="specjax-test-jax-cache-")
+if os.environ.get(_CACHE_ENV):
+  jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+def pytest_unconfigure(config):
+  if _OWN_CACHE:
+    shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,6 +1,6 @@
 """The speculative loop: EOS inside accepted windows, per-row length limits, acceptance counts,
-the distribution of temperature-1 rollouts versus AR sampling (with the engine's defaults:
-live-batch compaction and adaptive draft length on), target logprobs, bad inputs."""
+the distribution of temperature-1 rollouts versus AR sampling (with the engine's live-batch
+compaction and adaptive draft length on), target logprobs, bad inputs."""
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +12,7 @@ from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, NgramDrafter, SamplingConfig,
                               generate, speculative_generate)
 from specjax.sampling import engine, speculative
-from specjax.sampling.engine import STATIC
+from specjax.sampling.engine import STATIC, EngineConfig
 import stats
 
 # the same tiny target, prompts and greedy config as test_drafters (programs are shared)
@@ -118,6 +118,10 @@ ROWS = 8192  # per sampler
 SAMPLE = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_ids=(5,))
 POSITIONS = (1, 2, 3, 4)
 ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test of each drafter
+# The engine's defaults (compaction, adaptive K) with two bucket sizes and one calibration repeat:
+# about a quarter of the rows end early, so the live batch never fits a quarter bucket and the
+# default's four smaller buckets would only be compiled and calibrated (60 s -> 19 s a drafter).
+ENGINE = EngineConfig(max_buckets=2, calibration_repeats=1)
 
 
 def stat_prompts():
@@ -150,7 +154,7 @@ def spec_samples(request, target):
     other = Decoder(CFG.replace(num_layers=1), rngs=nnx.Rngs(7))
     drafter, params = DraftModelDrafter.from_model(other, K)
   return request.param, speculative_generate(target, drafter, params, prompts, lengths,
-                                             jax.random.key(20), SAMPLE)
+                                             jax.random.key(20), SAMPLE, engine=ENGINE)
 
 
 def test_temperature_one_speculative_matches_autoregressive_distribution(ar_samples,
