@@ -28,7 +28,9 @@ TINY = ["--base.steps", "2", "--base.examples", "32", "--base.batch-size", "8",
         "--rl.model.num-heads", "2", "--rl.model.num-kv-heads", "1", "--rl.model.head-dim", "8",
         "--rl.model.aux-layers", "1", "2", "3", "--base.pretrain-layers", "0",
         "--base.pretrain-mlp-hidden", "0",
-        "--rl.validation.every", "0"]
+        "--rl.validation.every", "0",
+        # the plain loop: one program per arm (the engine's buckets and K are not under test here)
+        "--rl.draft.no-adaptive", "--rl.rollout.no-compaction"]
 
 
 def test_an_existing_run_is_refused_without_resume_or_fresh(tmp_path):
