@@ -67,9 +67,11 @@ def test_speculative_rollouts_with_an_online_eagle_draft_complete_and_log_accept
   from specjax.eagle.head import init_head
 
   # sampled validation on 64 prompts reuses the rollouts' compiled speculative sampler
-  # a fixed K (adaptive off): every step drafts, so acceptance is logged at every step
+  # a fixed K (adaptive off): every step drafts, so acceptance is logged at every step; the
+  # plain loop (no compaction): one program, the engine's buckets are test_engine's subject
   cfg = CFG.replace(steps=3, draft=DraftConfig(kind="eagle3", draft_len=2, online=True,
                                                ttt_steps=2, adaptive=False),
+                    rollout=dataclasses.replace(CFG.rollout, compaction=False),
                     draft_optim=OptimConfig(lr=1e-3),
                     validation=ValidationConfig(every=3, num_prompts=64, batch_size=64,
                                                 greedy=False))
@@ -92,8 +94,10 @@ def test_a_train_batch_cut_to_its_longest_row_trains_exactly_like_the_full_width
   out: the same update as training at prompt + max_new_tokens columns; each width compiles in
   the first step. Packing the sequences (the default) is the same update again, with nothing to
   warm up."""
+  # the plain rollout loop (compaction changes no rollout, and its buckets would only compile)
   cfg = CFG.replace(steps=2, rollout=RolloutConfig(temperature=1.0, max_new_tokens=40,
-                                                   train_width_block=8, train_packing=False),
+                                                   train_width_block=8, train_packing=False,
+                                                   compaction=False),
                     validation=ValidationConfig())
   cut = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "cut"), verbose=False)
   full = run_rl(cfg.replace(rollout=dataclasses.replace(cfg.rollout, train_width_block=0)),
