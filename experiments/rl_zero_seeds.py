@@ -1,12 +1,13 @@
 """AR vs speculative RL over several seeds per arm: is the difference in accuracy within noise?
 
 One RL run per arm cannot separate the arms (docs/BENCHMARKS.md: single seeds swing by tens of
-points). This runs `rl_zero.py` (or `--experiment rl_think`: `rl_think.py`) once per RL seed, every seed on the same base policy and draft
-head (`--base.seed 0`; cached after the first), both arms of a seed with the same data order, and
-reports per arm the mean and standard deviation of the final greedy validation accuracy and of
-its gain over the base policy, and an exact paired sign-flip permutation test of spec - AR over
-the seeds (two-sided; no distributional assumption; with n seeds the smallest possible p is
-2 / 2^n, so "agree" means "no detectable difference at this n").
+points). This runs `rl_zero.py` (or `--experiment rl_think`: `rl_think.py`) once per RL seed,
+every seed on the same base policy and draft head (`--base.seed 0`; cached after the first), both
+arms of a seed with the same data order, and reports per arm the mean and standard deviation of
+the final greedy validation accuracy and of its gain over the base policy, and an exact paired
+sign-flip permutation test of spec - AR over the seeds (two-sided; no distributional assumption;
+with n seeds the smallest possible p is 2 / 2^n, so "agree" means "no detectable difference at
+this n").
 
   python experiments/rl_zero_seeds.py --seeds 0 1 2 [any rl_zero.py flag ...]
   python experiments/rl_zero_seeds.py --experiment rl_think --seeds 0 1 2 [rl_think.py flags]

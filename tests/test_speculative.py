@@ -119,8 +119,8 @@ SAMPLE = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_ids=(5,))
 POSITIONS = (1, 2, 3, 4)
 ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test of each drafter
 # The engine's defaults (compaction, adaptive K) with two bucket sizes and one calibration repeat:
-# about a quarter of the rows end early, so the live batch never fits a quarter bucket and the
-# default's four smaller buckets would only be compiled and calibrated (60 s -> 19 s a drafter).
+# about a quarter of the rows end early, so the live batch never fits even the half bucket, and
+# the default's further halvings would only be compiled and calibrated (60 s -> 19 s a drafter).
 ENGINE = EngineConfig(max_buckets=2, calibration_repeats=1)
 
 
