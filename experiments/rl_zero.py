@@ -45,18 +45,19 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # exactly 0; RolloutConfig.train_skip_zero_advantage): about two thirds of the sequences here,
 # which puts generation at ~63% of the AR step (40% when every sequence was trained).
 # 800 pretraining steps: after 400 the base's sampled scratchpads were wrong too often for RL to
-# find the right answers (+8 points in 30 steps); after 800, +67. Temperature 0.7: sampled scratchpads are right more often (RL signal) and drafts are accepted
-# more (2.38 vs 1.8-2.0 at 1). No online draft loss: it would add the head's 3-step TTT unroll
-# to every train step, which the step speedup cannot afford here (`--rl.draft.online`; not
-# measured in this configuration). A 32-token draft vocabulary: with 16 (digits, '+=,#', EOS
-# and 'a') the head could never draft a step's letter b..z, one scratchpad token in seven, and
-# acceptance length was 2.1-2.5 over three runs; with 32 (the most frequent tokens, the early
-# letters among them), 2.6-2.9 over eight. 220 offline head steps, not 150: on a base pretrained
-# on another host, 150 steps left the TTT loss at 1.46 (step-0 agreement 0.80, acceptance
-# 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95, 3.26, 1.58x) for 26 s more, 300 to
-# 0.20 (0.97, 3.30, 1.63x) for 62 s more. Smallest live bucket 2, not 1: a bucket is up to four
-# more programs to compile and calibrate (one per K) in the spec arm's first step (62 -> 39 s),
-# and a one-row tail here lasts a step or two. Measured in docs/BENCHMARKS.md ("Main job").
+# find the right answers (+8 points in 30 steps); after 800, +67. Temperature 0.7: sampled
+# scratchpads are right more often (RL signal) and drafts are accepted more (2.38 vs 1.8-2.0 at 1).
+# No online draft loss: it would add the head's 3-step TTT unroll to every train step, which the
+# step speedup cannot afford here (`--rl.draft.online`; not measured in this configuration). A
+# 32-token draft vocabulary: with 16 (digits, '+=,#', EOS and 'a') the head could never draft a
+# step's letter b..z, one scratchpad token in seven, and acceptance length was 2.1-2.5 over three
+# runs; with 32 (the most frequent tokens, the early letters among them), 2.6-2.9 over eight. 220
+# offline head steps, not 150: on a base pretrained on another host, 150 steps left the TTT loss at
+# 1.46 (step-0 agreement 0.80, acceptance 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95,
+# 3.26, 1.58x) for 26 s more, 300 to 0.20 (0.97, 3.30, 1.63x) for 62 s more. Smallest live bucket 2,
+# not 1: a bucket is up to four more programs to compile and calibrate (one per K) in the spec arm's
+# first step (62 -> 39 s), and a one-row tail here lasts a step or two. Measured in
+# docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(

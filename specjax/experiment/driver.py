@@ -186,7 +186,7 @@ def _model_cfg(cfg: ExperimentConfig, tokenizer):
 
 
 def _pretrain(model_cfg, examples: list, tokenizer, base: BaseModelConfig, steps: int, seed: int,
-              start=None, progress: bool = True):
+              start=None, *, progress: bool):
   from specjax.models import Decoder
   from specjax.experiment.pretrain import pretrain_lm
 
