@@ -59,7 +59,7 @@ from specjax.sampling import (AcceptanceMetrics, NgramDrafter, SamplingConfig,  
                               generate, speculative_generate)
 from specjax.sampling import engine as eng  # noqa: E402
 from specjax.sampling.draft_model import DraftModelDrafter, truncated_copy  # noqa: E402
-from specjax.sampling.engine import STATIC, EngineConfig  # noqa: E402
+from specjax.sampling import STATIC, EngineConfig, EngineTuning  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -274,8 +274,12 @@ def arm_record(times, out, compiled, tokens) -> dict:
   return rec
 
 
-def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log) -> dict:
+def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig,
+             log) -> tuple[dict, list]:
+  """({arm: record}, the adaptive arms' calibration rows). Each adaptive arm owns its
+  `EngineTuning`, so no arm reuses another's measured costs or acceptance estimates."""
   key = lambda i: jax.random.key(a.seed * 1000 + i)
+  tunings = []
   share = dict(share_prefill=not a.no_share_prefill)
   static = dataclasses.replace(STATIC, **share)
   arms = {
@@ -285,11 +289,13 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log)
   }
   for name, (drafter, params) in drafters.items():
     prefix = "spec" if name == a.drafters[0] else name
+    tunings.append(EngineTuning())
     arms[f"{prefix}_static"] = lambda i, d=drafter, p=params: speculative_generate(
         target, d, p, prompts, lens, key(i), cfg, draft_len=a.static_k, engine=static)
-    arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params: speculative_generate(
-        target, d, p, prompts, lens, key(i), cfg, draft_len=a.max_draft_len,
-        engine=EngineConfig(max_draft_len=a.max_draft_len, **share))
+    arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params, t=tunings[-1]: \
+        speculative_generate(target, d, p, prompts, lens, key(i), cfg, draft_len=a.max_draft_len,
+                             engine=EngineConfig(max_draft_len=a.max_draft_len, **share),
+                             tuning=t)
   t0 = time.perf_counter()
   out = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
   for name, rec in out.items():
@@ -297,7 +303,7 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig, log)
         f"acc.len {rec['acceptance_length']:.2f}  K/bucket {rec['k_per_bucket']}")
   log(f"  ({len(arms)} arms x (1 untimed + {a.repeats} timed runs, interleaved) in "
       f"{time.perf_counter() - t0:.0f} s)")
-  return out
+  return out, [row for t in tunings for row in t.calibration_table()]
 
 
 def read_roof():
@@ -384,9 +390,9 @@ def no_accept(a, log) -> dict:
         "ar": lambda i: generate(target, toks, lens, key(i), cfg, engine=STATIC),
         "spec_static": lambda i: speculative_generate(target, drafter, (), toks, lens, key(i), cfg,
                                                       engine=STATIC),
-        "spec_adaptive": lambda i: speculative_generate(
+        "spec_adaptive": lambda i, t=EngineTuning(): speculative_generate(
             target, drafter, (), toks, lens, key(i), cfg, draft_len=a.max_draft_len,
-            engine=EngineConfig(max_draft_len=a.max_draft_len)),
+            engine=EngineConfig(max_draft_len=a.max_draft_len), tuning=t),
     }
     rows = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
     for name, rec in rows.items():
@@ -445,7 +451,7 @@ def main(argv=None) -> dict:
     p_train, l_train = make_prompts(a, rng, 32)
     result = train_draft_head(target, p_train, l_train, sampling=cfg, progress=False,
                               config=DraftTrainConfig(steps=a.eagle_steps, batch_size=16,
-                                                      learning_rate=a.eagle_lr,
+                                                      lr=a.eagle_lr,
                                                       draft_vocab=min(a.draft_vocab, a.vocab),
                                                       seed=a.seed,
                                                       warmup_steps=10, rollout_batch=64))
@@ -466,9 +472,8 @@ def main(argv=None) -> dict:
   for b in batches:
     prompts, lens = make_prompts(a, rng, b // a.group)
     log(f"batch {b} ({b // a.group} prompts x G={a.group}), max_new {a.max_new}:")
-    eng.clear_calibration()
-    arms = run_arms(a, target, drafters, prompts, lens, cfg, log)
-    results[str(b)] = {"arms": arms, "calibration": eng.calibration_table(), "batch": b}
+    arms, calibration = run_arms(a, target, drafters, prompts, lens, cfg, log)
+    results[str(b)] = {"arms": arms, "calibration": calibration, "batch": b}
   main_b = str(batches[0])
   summary = {
       "machine": machine(),

@@ -11,7 +11,7 @@ from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (DraftModelDrafter, GroupNgramDrafter, NgramDrafter, SamplingConfig,
                               Sequences, generate, speculative_generate, truncated_copy)
 from specjax.sampling import ngram
-from specjax.sampling.engine import STATIC
+from specjax.sampling import STATIC
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                   head_dim=16, mlp_hidden=64, init_std=0.5)

@@ -10,10 +10,11 @@ import pytest
 from flax import nnx
 
 from specjax.models import Decoder, ModelConfig
-from specjax.sampling import (DraftModelDrafter, Drafter, NgramDrafter, SamplingConfig, generate,
-                              speculative_generate)
+from specjax.sampling import (STATIC, DraftModelDrafter, Drafter, EngineConfig, EngineTuning,
+                              NgramDrafter, SamplingConfig, generate, speculative_generate)
 from specjax.sampling import engine as eng
-from specjax.sampling.engine import STATIC, AcceptanceEstimate, EngineConfig
+from specjax.sampling import buckets
+from specjax.sampling.adaptive import AcceptanceEstimate, best_draft_len
 from specjax.sharding import MeshConfig, make_mesh, shard_model
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -64,13 +65,14 @@ def test_greedy_speculative_with_compaction_and_adaptive_k_equals_greedy_ar(targ
     drafter, params = DraftModelDrafter.from_model(target, 3)
   else:
     drafter, params = NgramDrafter(draft_len=3, n=2), ()
+  tuning = EngineTuning()
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
-                             GREEDY, engine=ENGINE)
+                             GREEDY, engine=ENGINE, tuning=tuning)
   assert_same_rollout(out, static_ar)
   assert {s.bucket for s in out.segments} == {8, 4, 2, 1}
   assert out.segments[0].draft_len >= 1  # the first segment drafts, so acceptance is measured
   # every K of every bucket visited was calibrated (compiled) on that bucket's first visit
-  calibrated = {(r["bucket"], r["draft_len"]) for r in eng.calibration_table()}
+  calibrated = {(r["bucket"], r["draft_len"]) for r in tuning.calibration_table()}
   assert {(b, k) for b in (8, 4, 2, 1) for k in range(4)} <= calibrated
   counts = out.stats
   assert counts.num_drafts.shape == (8,) and int(counts.num_drafts.sum()) > 0
@@ -101,11 +103,10 @@ class RejectedDrafter(Drafter):
 
 def test_adaptive_k_turns_speculation_off_when_no_draft_is_accepted(target, static_ar):
   never = int(np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(static_ar.tokens))[0])
-  # a fresh estimate (no counts from earlier tests: the first segment probes), and a min_gain
+  # a fresh estimate (no counts from another call: the first segment probes), and a min_gain
   # that no K can promise after the probe's 5 rejected drafts (E[tokens | K] <= 1.21 < 1.25), so
   # every later K is 0 whatever the step timings: with the default 0.05, K > 0 stays a candidate
   # until ~22 drafts were rejected, and the measured costs (load) decided whether it drafted again
-  eng.clear_calibration()
   engine = EngineConfig(window_block=0, min_gain=0.25)
   out = speculative_generate(target, RejectedDrafter(draft_len=3, token=never), (), PROMPTS,
                              PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=engine)
@@ -146,10 +147,10 @@ def test_a_stateful_drafter_that_never_pays_is_retired_for_the_rest_of_the_rollo
   drafter = ObservingRejectedDrafter(draft_len=3, token=never)
   # min_gain 0.5: after the first rollout's probe no K can promise it (E[tokens | K] <= 1.28,
   # even with the counts decayed at the next rollout), whatever the step timings
-  eng.clear_calibration()
   engine = EngineConfig(window_block=0, min_gain=0.5, calibration_repeats=1)
+  tuning = EngineTuning()  # the second rollout starts from the first one's estimate
   run = lambda: speculative_generate(target, drafter, (), PROMPTS, PROMPT_LENGTHS,
-                                     jax.random.key(1), GREEDY, engine=engine)
+                                     jax.random.key(1), GREEDY, engine=engine, tuning=tuning)
   first = run()
   assert_same_rollout(first, static_ar)
   assert first.segments[0].draft_len >= 1 and not first.segments[0].drafter_retired
@@ -179,38 +180,38 @@ def test_best_draft_length_trades_expected_tokens_against_step_cost():
   expected = {0: 1.0, 1: 1.8, 2: 2.4, 3: 2.8}
   cheap_verify = {0: 1.0, 1: 1.05, 2: 1.1, 3: 1.15}  # weight-read bound
   costly_verify = {0: 1.0, 1: 2.0, 2: 3.0, 3: 4.0}  # arithmetic bound
-  assert eng.best_draft_len(expected, cheap_verify, live=2)[0] == 3
-  assert eng.best_draft_len(expected, costly_verify, live=32)[0] == 0
-  k, rate = eng.best_draft_len(expected, cheap_verify, live=2)
+  assert best_draft_len(expected, cheap_verify, live=2)[0] == 3
+  assert best_draft_len(expected, costly_verify, live=32)[0] == 0
+  k, rate = best_draft_len(expected, cheap_verify, live=2)
   assert rate == pytest.approx(2 * 2.8 / 1.15)
   nothing_accepted = {0: 1.0, 1: 1.01, 2: 1.02}
   noisy_costs = {0: 1.0, 1: 0.99, 2: 0.995}  # timing noise: a verify measured "cheaper" than AR
-  assert eng.best_draft_len(nothing_accepted, noisy_costs, live=1, min_gain=0.05)[0] == 0
+  assert best_draft_len(nothing_accepted, noisy_costs, live=1, min_gain=0.05)[0] == 0
 
 
 def test_buckets_and_windows():
-  assert eng.bucket_sizes(32) == [32, 16, 8, 4, 2, 1]
-  assert eng.bucket_sizes(32, max_buckets=3) == [32, 16, 8]
-  assert eng.bucket_sizes(24, dp=8) == [24, 16, 8]
-  assert eng.bucket_sizes(8, dp=4) == [8, 4]
+  assert buckets.bucket_sizes(32) == [32, 16, 8, 4, 2, 1]
+  assert buckets.bucket_sizes(32, max_buckets=3) == [32, 16, 8]
+  assert buckets.bucket_sizes(24, dp=8) == [24, 16, 8]
+  assert buckets.bucket_sizes(8, dp=4) == [8, 4]
   with pytest.raises(ValueError, match="not divisible by the data-parallel size 4"):
-    eng.bucket_sizes(6, dp=4)
-  assert eng.window_for(100, 3, 128, 1024) == 128
-  assert eng.window_for(125, 3, 128, 1024) == 256  # writes reach position 128
-  assert eng.window_for(600, 3, 128, 1024) == 0  # 1024 would be the whole cache
-  assert eng.window_for(10, 3, 0, 1024) == 0
+    buckets.bucket_sizes(6, dp=4)
+  assert buckets.window_for(100, 3, 128, 1024) == 128
+  assert buckets.window_for(125, 3, 128, 1024) == 256  # writes reach position 128
+  assert buckets.window_for(600, 3, 128, 1024) == 0  # 1024 would be the whole cache
+  assert buckets.window_for(10, 3, 0, 1024) == 0
 
 
 def test_prompt_groups_are_found_only_where_rows_repeat_and_divide_over_the_mesh():
   grouped = jnp.repeat(PROMPTS[:2], 4, axis=0)
   lengths = jnp.repeat(PROMPT_LENGTHS[:2], 4)
-  assert eng.prompt_group(grouped, lengths) == 4
-  assert eng.prompt_group(grouped, lengths, dp=4) == 2  # 2 prompts cannot feed 4 devices
-  assert eng.prompt_group(grouped, lengths, dp=8) == 1
-  assert eng.prompt_group(PROMPTS, PROMPT_LENGTHS) == 1
-  assert eng.prompt_group(grouped.at[4:6, 0].add(1), lengths) == 2  # two rows differ
-  assert eng.prompt_group(grouped.at[5, 0].add(1), lengths) == 1
-  assert eng.prompt_group(grouped, lengths.at[3].add(-1)) == 1  # same tokens, another length
+  assert buckets.prompt_group(grouped, lengths) == 4
+  assert buckets.prompt_group(grouped, lengths, dp=4) == 2  # 2 prompts cannot feed 4 devices
+  assert buckets.prompt_group(grouped, lengths, dp=8) == 1
+  assert buckets.prompt_group(PROMPTS, PROMPT_LENGTHS) == 1
+  assert buckets.prompt_group(grouped.at[4:6, 0].add(1), lengths) == 2  # two rows differ
+  assert buckets.prompt_group(grouped.at[5, 0].add(1), lengths) == 1
+  assert buckets.prompt_group(grouped, lengths.at[3].add(-1)) == 1  # same tokens, another length
 
 
 @pytest.mark.parametrize("kind", ["ar", "ngram"])
@@ -219,7 +220,7 @@ def test_a_shared_prefill_for_grouped_prompts_changes_no_rollout(target, kind):
   greedy, with compaction and adaptive K on."""
   prompts, lengths = jnp.repeat(PROMPTS[1:3], 4, axis=0), jnp.repeat(PROMPT_LENGTHS[1:3], 4)
   cfg = dataclasses.replace(GREEDY, eos_ids=())
-  assert eng.prompt_group(prompts, lengths) == 4
+  assert buckets.prompt_group(prompts, lengths) == 4
 
   def run(share):
     engine = dataclasses.replace(ENGINE, share_prefill=share)
@@ -252,8 +253,9 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   engine = EngineConfig(adaptive=False)
   jax.clear_caches()
-  eng.clear_calibration()
-  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, make_key(i), sampled, engine=engine)
+  tuning = EngineTuning()
+  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, make_key(i), sampled, engine=engine,
+                           tuning=tuning)
   jax.block_until_ready(run(0).tokens)
   before = eng.compiled_programs()
   paths = set()
@@ -289,11 +291,11 @@ def test_segments_refine_the_calibrated_step_costs(target):
   """Each segment moves its (bucket, K) step cost toward the seconds per step it measured (its
   calibrated fixed cost taken off), with weight iterations / (iterations + cost_memory); costs
   of programs no segment ran keep their startup calibration."""
-  eng.clear_calibration()
   engine = EngineConfig(cost_memory=16.0)
+  tuning = EngineTuning()
   out = speculative_generate(target, NgramDrafter(draft_len=2, n=2), (), PROMPTS, PROMPT_LENGTHS,
-                             jax.random.key(1), GREEDY, engine=engine)
-  table = {(r["bucket"], r["draft_len"]): r for r in eng.calibration_table()}
+                             jax.random.key(1), GREEDY, engine=engine, tuning=tuning)
+  table = {(r["bucket"], r["draft_len"]): r for r in tuning.calibration_table()}
   cost = {bk: r["calibrated_step_s"] for bk, r in table.items()}
   steps = dict.fromkeys(table, 0)
   for s in out.segments:
@@ -310,3 +312,25 @@ def test_segments_refine_the_calibrated_step_costs(target):
   assert any(r["step_s"] != r["calibrated_step_s"] for r in table.values())
   assert any(r["steps_measured"] == 0 and r["step_s"] == r["calibrated_step_s"]
              for r in table.values())
+
+
+def test_measured_costs_belong_to_the_tuning_object_passed_in(target):
+  """A call without `tuning` keeps nothing; calls sharing one `EngineTuning` reuse its
+  calibration (the second rollout measures no new cost); another object starts empty."""
+  engine = EngineConfig(calibration_repeats=1)
+  drafter = NgramDrafter(draft_len=2, n=2)
+  call = lambda tuning, i: speculative_generate(target, drafter, (), PROMPTS, PROMPT_LENGTHS,
+                                                jax.random.key(i), GREEDY, engine=engine,
+                                                tuning=tuning)
+  shared, other = EngineTuning(), EngineTuning()
+  call(None, 0)
+  assert shared.calibration_table() == [] and other.calibration_table() == []
+  call(shared, 0)
+  first = {(r["bucket"], r["draft_len"]): r["calibrated_step_s"]
+           for r in shared.calibration_table()}
+  assert first and len(shared.estimates) == 1
+  call(shared, 1)
+  again = {(r["bucket"], r["draft_len"]): r["calibrated_step_s"]
+           for r in shared.calibration_table()}
+  assert again == first  # the startup calibration was reused, not measured again
+  assert other.calibration_table() == [] and len(other.estimates) == 0

@@ -10,7 +10,7 @@ from flax import nnx
 import stats
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import SamplingConfig, generate, process_logits
-from specjax.sampling import engine
+from specjax.sampling import buckets, engine
 
 # the same tiny target, prompts and configs as test_drafters / test_speculative (shared programs)
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -135,7 +135,7 @@ def test_first_token_is_distributed_as_the_target_after_each_ragged_prompt(targe
   first_kind = rows % 2 == 0 if layout == "interleaved" else rows < ROWS // 2
   prompts = jnp.where(first_kind[:, None], a, b).astype(jnp.int32)
   lengths = jnp.where(first_kind, 8, 5).astype(jnp.int32)
-  assert engine.prompt_group(prompts, lengths) == (1 if layout == "interleaved" else ROWS // 2)
+  assert buckets.prompt_group(prompts, lengths) == (1 if layout == "interleaved" else ROWS // 2)
   out = generate(target, prompts, lengths, jax.random.key(10), SAMPLE)
   first = np.asarray(out.tokens[:, 0])
   for kind, (prompt, plen) in enumerate(((a, 8), (b, 5))):

@@ -12,7 +12,7 @@ from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, NgramDrafter, SamplingConfig,
                               generate, speculative_generate)
 from specjax.sampling import engine, speculative
-from specjax.sampling.engine import STATIC, EngineConfig
+from specjax.sampling import STATIC, EngineConfig
 import stats
 
 # the same tiny target, prompts and greedy config as test_drafters (programs are shared)

@@ -17,9 +17,9 @@ import numpy as np
 
 from specjax.models.config import DTYPES
 from specjax.rl.config import RLConfig
-from specjax.sampling import (AcceptanceMetrics, Drafter, GroupNgramDrafter, Rollout,
-                              SamplingConfig, generate, speculative_generate)
-from specjax.sampling.engine import EngineConfig
+from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning,
+                              GroupNgramDrafter, Rollout, SamplingConfig, generate,
+                              speculative_generate)
 
 
 def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
@@ -30,11 +30,12 @@ def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingC
 
 
 def engine_config(cfg: RLConfig) -> EngineConfig:
-  """The rollout engine's settings from the run's config (compaction, window, adaptive K)."""
+  """The rollout engine's settings from the run's config (compaction, window, adaptive K; the
+  largest K is resolved by `speculative_generate`)."""
   r, d = cfg.rollout, cfg.draft
   return EngineConfig(compaction=r.compaction, min_bucket=r.min_bucket,
                       window_block=r.window_block, adaptive=d.adaptive,
-                      max_draft_len=(d.max_draft_len or d.draft_len) if d.adaptive else 0)
+                      max_draft_len=d.max_draft_len)
 
 
 def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None) -> tuple[Drafter | None, Any]:
@@ -57,13 +58,16 @@ def cast_floats(tree: Any, dtype) -> Any:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RolloutEngine:
-  """AR or speculative sampling of G completions per prompt with the current policy."""
+  """AR or speculative sampling of G completions per prompt with the current policy. Owns the
+  run's `EngineTuning`: the rollout engine's step costs, calibrated in the first rollout, and its
+  acceptance estimates, carried from rollout to rollout."""
 
   cfg: RLConfig
   policy_graphdef: Any
   tokenizer: Any
   drafter: Drafter | None = None
   drafter_params: Any = None  # fixed params (draft model); None when they follow training
+  tuning: EngineTuning = dataclasses.field(default_factory=EngineTuning)
 
   def prepare(self, params: dict, forward_params: Any, draft_aux: Any = ()) -> tuple[Any, Any]:
     """(policy params, drafter params) for the sampler from the train state's params (the
@@ -84,13 +88,13 @@ class RolloutEngine:
       engine = dataclasses.replace(engine, adaptive=False, max_draft_len=0, max_buckets=3)
     if self.drafter is None:
       return generate((self.policy_graphdef, policy), prompts, prompt_lengths, key, scfg,
-                      engine=engine)
+                      engine=engine, tuning=self.tuning)
     drafter = self.drafter
     if isinstance(drafter, GroupNgramDrafter) and group_size is not None and \
         group_size != drafter.group_size:
       drafter = dataclasses.replace(drafter, group_size=group_size)
     return speculative_generate((self.policy_graphdef, policy), drafter, drafter_params, prompts,
-                                prompt_lengths, key, scfg, engine=engine)
+                                prompt_lengths, key, scfg, engine=engine, tuning=self.tuning)
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int,

@@ -18,7 +18,9 @@ from flax import nnx
 
 from specjax.sampling.core import Rollout, SamplingConfig, check_prompts, split_model
 from specjax.sampling.drafter import Drafter
-from specjax.sampling.engine import EngineConfig, run_engine
+from specjax.sampling.calibration import EngineTuning
+from specjax.sampling.engine import run_engine
+from specjax.sampling.engine_config import EngineConfig
 
 
 def required_cache_size(prompt_width: int, max_new_tokens: int, draft_len: int) -> int:
@@ -30,7 +32,8 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
                          prompt_lengths: jax.Array, key: jax.Array, cfg: SamplingConfig,
                          cache_size: int | None = None,
                          draft_len: int | None = None, *,
-                         engine: EngineConfig = EngineConfig(), mesh=None) -> Rollout:
+                         engine: EngineConfig = EngineConfig(), mesh=None,
+                         tuning: EngineTuning | None = None) -> Rollout:
   """Speculative sampling of completions; same contract and distribution as `ar.generate`.
 
   `target` is a `Decoder` or its `(graphdef, params)`; `drafter` a hashable `Drafter` (static)
@@ -39,8 +42,10 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   `metrics.AcceptanceCounts` (a draft = one live row in one verify step; summarise with
   `AcceptanceMetrics.from_counts`); `Rollout.num_steps` the batch forward steps after the
   prefill; `Rollout.segments` what the engine did. With `engine.adaptive`, K is the largest draft
-  length the engine may pick (`engine.max_draft_len` overrides it).
+  length the engine may pick (`engine.max_draft_len` overrides it when > 0).
   `cache_size` defaults to `required_cache_size(P, max_new_tokens, K)`, the least it can be.
+  `tuning` keeps the engine's measured costs and acceptance estimates across calls
+  (`calibration.EngineTuning`; None: this call only).
   """
   graphdef, params = split_model(target)
   if not isinstance(drafter, Drafter):
@@ -48,18 +53,18 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   k = drafter.draft_len if draft_len is None else draft_len
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"draft_len K must be an int >= 1, got {k!r}")
-  drafter = dataclasses.replace(drafter, draft_len=k, temperature=cfg.temperature)
+  k_max = (engine.max_draft_len or k) if engine.adaptive else k  # the one place it is resolved
+  drafter = dataclasses.replace(drafter, draft_len=k_max, temperature=cfg.temperature)
   vocab = nnx.merge(graphdef, params).cfg.vocab_size
   if drafter.vocab_size is not None and drafter.vocab_size != vocab:
     raise ValueError(f"drafter vocab_size={drafter.vocab_size} differs from the target's "
                      f"vocab_size={vocab}: drafter and target must share one vocabulary")
   prompts = jnp.asarray(prompts, jnp.int32)
   prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
-  k_max = max(k, engine.max_draft_len) if engine.adaptive else k
   needed = required_cache_size(prompts.shape[1], cfg.max_new_tokens, k_max)
   cache_size = needed if cache_size is None else int(cache_size)
   check_prompts(prompts, prompt_lengths, cache_size, needed,
                 f"prompt width {prompts.shape[1]} + max_new_tokens {cfg.max_new_tokens} + "
                 f"draft_len {k_max} + 1")
   return run_engine(graphdef, params, drafter, drafter_params, prompts, prompt_lengths, key, cfg,
-                    cache_size, engine, mesh)
+                    cache_size, engine, mesh, tuning)

@@ -1,0 +1,132 @@
+"""Adaptive draft length: running per-position acceptance estimates and the choice of K per
+segment from them and the measured step costs. Plain Python and numpy.
+
+Why: a verify of K+1 tokens is nearly free while the live batch is small (weight reads dominate)
+and costs K+1 steps once arithmetic dominates, so the best K moves with the live batch and with how
+well the drafter is doing. Every choice depends only on timings and tokens already emitted, so
+each step is verified exactly as in the static loop.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from specjax.sampling.buckets import NO_LIMIT
+from specjax.sampling.engine_config import EngineConfig
+
+
+class AcceptanceEstimate:
+  """Running per-position conditional acceptance: a_i = P(draft i accepted | drafts < i were),
+  from drafts that offered position i, shrunk toward a prior (position 0) or toward a_{i-1}."""
+
+  def __init__(self, max_len: int, prior: float, weight: float):
+    self.offered = np.zeros(max_len)
+    self.hits = np.zeros(max_len)
+    self.prior, self.weight = prior, weight
+
+  def decay(self, factor: float) -> None:
+    """Weigh earlier counts by `factor` (recent steps matter more; old evidence fades toward the
+    prior, so a drafter that failed once is tried again later)."""
+    self.offered *= factor
+    self.hits *= factor
+
+  @property
+  def seen(self) -> bool:
+    return bool(self.offered[0] > 0)
+
+  def add(self, draft_len: int, drafts: float, accepted_per_position: np.ndarray) -> None:
+    """One segment's counts: `drafts` drafts of length `draft_len`; accepted_per_position[i] of
+    them had their first i + 1 tokens accepted."""
+    for i in range(draft_len):
+      self.offered[i] += drafts if i == 0 else accepted_per_position[i - 1]
+      self.hits[i] += accepted_per_position[i]
+
+  def conditional(self) -> np.ndarray:
+    out, prev = np.zeros(len(self.offered)), self.prior
+    for i in range(len(out)):
+      prev = out[i] = (self.hits[i] + prev * self.weight) / (self.offered[i] + self.weight)
+    return out
+
+  def expected_tokens(self, draft_len: int) -> float:
+    """E[tokens a row commits in one step] = 1 + sum_{i<K} prod_{j<=i} a_j."""
+    return 1.0 + float(np.sum(np.cumprod(self.conditional()[:draft_len])))
+
+
+class AcceptanceEstimates:
+  """One running `AcceptanceEstimate` per (drafter, sampling config, target), kept across the
+  rollouts of whoever owns this object (see `calibration.EngineTuning`)."""
+
+  def __init__(self):
+    self._by_key: dict[tuple, AcceptanceEstimate] = {}
+
+  def get(self, key: tuple, max_len: int, engine: EngineConfig) -> AcceptanceEstimate:
+    if key not in self._by_key:
+      self._by_key[key] = AcceptanceEstimate(max_len, engine.prior_acceptance,
+                                             engine.prior_weight)
+    return self._by_key[key]
+
+  def __len__(self) -> int:
+    return len(self._by_key)
+
+
+def best_draft_len(expected_tokens: dict[int, float], step_costs: dict[int, float],
+                   live: int, min_gain: float = 0.0) -> tuple[int, float]:
+  """(K, tokens/s) maximising live * E[tokens per step | K] / seconds per step at K; a K > 0
+  must beat K = 0 (when offered) by the fraction `min_gain`, so that timing noise never keeps
+  drafts that are not accepted."""
+  rates = {k: live * expected_tokens[k] / step_costs[k] for k in expected_tokens}
+  bar = {k: r / (1.0 + min_gain) if k > 0 and 0 in rates else r for k, r in rates.items()}
+  k = max(bar, key=bar.get)
+  return k, rates[k]
+
+
+class DraftLenPolicy:
+  """The choice of K over one rollout: from `k_choices` (one value: fixed K, no choice), with the
+  acceptance `estimate` carried across rollouts."""
+
+  def __init__(self, k_choices: tuple[int, ...], estimate: AcceptanceEstimate,
+               engine: EngineConfig):
+    self.k_choices, self.estimate, self.engine = k_choices, estimate, engine
+    self.adaptive = len(k_choices) > 1
+    self.retired = False  # see `choose`
+
+  def choose(self, cost: Callable[[int], float], live: int) -> tuple[int, float]:
+    """(K, expected tokens/s) maximising live * E[tokens | K] / cost(K). Every K is costed first
+    (the engine calibrates a bucket's K on its first visit, so no program of the run compiles
+    after its first rollout).
+
+    When the acceptance measured so far rules out every K > 0, the drafter is *retired* for the
+    rest of the rollout: the estimate changes only through drafting segments, so no later choice
+    of this rollout could pick a K > 0, and a stateful drafter (EAGLE-3, MTP, a draft model)
+    would only keep observing at a cost per step. The next rollout starts with the drafter
+    again."""
+    if not self.adaptive:
+      return self.k_choices[0], float("nan")
+    if self.retired:
+      return 0, float("nan")
+    costs = {k: cost(k) for k in self.k_choices}
+    if not self.estimate.seen:  # acceptance is a guess: draft once so the estimate can learn
+      choices = list(self.k_choices[1:])
+    else:  # a K whose expected tokens cannot beat AR by min_gain is not even measured
+      bar = 1.0 + self.engine.min_gain
+      choices = [k for k in self.k_choices if k == 0 or self.estimate.expected_tokens(k) > bar]
+      self.retired = choices == [0]
+    if len(choices) == 1:
+      return choices[0], float("nan")
+    return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
+                          {k: costs[k] for k in choices}, live, self.engine.min_gain)
+
+  def budget(self, k: int, j: int) -> int:
+    """Steps a segment at K may run before K is chosen again; `j` counts the segments the
+    bucket already ran at this K."""
+    if not self.adaptive or k == 0:
+      # plain AR collects no acceptance evidence and the costs do not change with the live
+      # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
+      return NO_LIMIT
+    if self.estimate.offered[0] < max(self.engine.probe_drafts, 1e-9):
+      # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
+      # again, so a drafter that fails costs a few steps, not a segment
+      return self.engine.probe_iters
+    return min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)

@@ -1,0 +1,92 @@
+"""How the rollout engine runs a batch (`EngineConfig`, the one home of its defaults) and what it
+reports of each segment it ran (`Segment`). Plain Python: the RL config and the simulator read
+these defaults without importing jax."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the engine runs a batch. Hashable. `STATIC` is the plain loop: full batch, whole cache,
+  fixed K, one segment."""
+
+  compaction: bool = True  # gather live rows into the next bucket when they fit
+  min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
+  max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
+  # attention reads positions < block * 2^j >= the longest live row (0: the whole cache); each
+  # window is one more compiled program per (bucket, K), so it is off unless asked for
+  window_block: int = 0
+  adaptive: bool = True  # choose K per bucket (else the drafter's draft_len throughout)
+  max_draft_len: int = 0  # largest K adaptivity may pick; 0: the drafter's draft_len
+  probe_iters: int = 4  # adaptive: steps of a drafting segment while the evidence is thin ...
+  probe_drafts: float = 16.0  # ... i.e. fewer drafts than this behind the estimate (decayed count)
+  first_segment_iters: int = 32  # adaptive: steps before a bucket's first re-decision ...
+  max_segment_iters: int = 256  # ... doubling per segment up to this
+  estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
+  calibration_iters: int = 3  # n: segments of n and 2n timed steps per (bucket, K) at startup ...
+  calibration_repeats: int = 3  # ... timed this many times, the fastest kept (load noise)
+  # in-run refinement: each segment's measured seconds per step move its (bucket, K) cost toward
+  # them with weight iterations / (iterations + cost_memory) (0: keep the startup calibration)
+  cost_memory: float = 64.0
+  compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
+  prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
+  prior_weight: float = 2.0  # in drafts
+  min_gain: float = 0.05  # draft only when expected tokens/s beat plain AR by this fraction
+  # prefill each distinct prompt once when the rows come in blocks of identical prompts (GRPO
+  # groups: G samples per prompt, consecutive); the rows' samples stay independent
+  share_prefill: bool = True
+
+  def __post_init__(self):
+    def check(ok, field, msg):
+      if not ok:
+        raise ValueError(f"EngineConfig.{field}: {msg}")
+    check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
+    check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
+    check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
+    check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
+    check(self.probe_iters >= 1, "probe_iters", f"must be >= 1, got {self.probe_iters}")
+    check(self.probe_drafts >= 0, "probe_drafts", f"must be >= 0, got {self.probe_drafts}")
+    check(self.first_segment_iters >= 1, "first_segment_iters",
+          f"must be >= 1, got {self.first_segment_iters}")
+    check(0 <= self.estimate_decay <= 1, "estimate_decay",
+          f"must be in [0, 1], got {self.estimate_decay}")
+    check(self.max_segment_iters >= self.first_segment_iters, "max_segment_iters",
+          f"must be >= first_segment_iters={self.first_segment_iters}, "
+          f"got {self.max_segment_iters}")
+    check(self.calibration_iters >= 1, "calibration_iters",
+          f"must be >= 1, got {self.calibration_iters}")
+    check(self.calibration_repeats >= 1, "calibration_repeats",
+          f"must be >= 1, got {self.calibration_repeats}")
+    check(self.cost_memory >= 0, "cost_memory", f"must be >= 0, got {self.cost_memory}")
+    check(self.compile_threads >= 0, "compile_threads",
+          f"must be >= 0, got {self.compile_threads}")
+    check(0 < self.prior_acceptance < 1, "prior_acceptance",
+          f"must be in (0, 1), got {self.prior_acceptance}")
+    check(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight}")
+    check(self.min_gain >= 0, "min_gain", f"must be >= 0, got {self.min_gain}")
+
+
+STATIC = EngineConfig(compaction=False, window_block=0, adaptive=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """One segment as it ran (the engine's log)."""
+
+  bucket: int
+  draft_len: int
+  window: int
+  live_rows_start: int
+  iterations: int
+  tokens: int  # tokens committed by the bucket's rows
+  seconds: float
+  expected_tokens_per_s: float  # what the K choice predicted (nan when not adaptive)
+  # the drafter was set aside for the rest of the rollout: no K > 0 can beat plain AR at the
+  # acceptance measured so far, so its state is no longer kept up to date (K = 0 without it)
+  drafter_retired: bool = False
+
+  @property
+  def tokens_per_s(self) -> float:
+    return self.tokens / max(self.seconds, 1e-12)
