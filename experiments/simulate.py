@@ -15,13 +15,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from specjax.sim import calibrate, catalog, machine_fit, phases, report  # noqa: E402
-from specjax.sim.advise import advice_text, advise  # noqa: E402
+from specjax.sim import bench_data, calibrate, catalog, machine_fit, report  # noqa: E402
+from specjax.sim.advise import DEFAULT_DRAFTERS, advice_text, advise  # noqa: E402
+from specjax.sim.drafters import DRAFTER_COSTS, EAGLE3  # noqa: E402
 from specjax.sim.simulate import ENGINES, MODES, Scenario, compare  # noqa: E402
 from specjax.sim.workload import WORKLOADS  # noqa: E402
 
@@ -36,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--policy-lag", type=int, default=1)
   p.add_argument("--gen-fraction", type=float, default=None,
                  help="async: share of GPUs generating (default: best split)")
-  p.add_argument("--draft", choices=phases.DRAFTERS, default="eagle3")
+  p.add_argument("--draft", choices=tuple(DRAFTER_COSTS), default=EAGLE3.name)
   p.add_argument("--draft-len", type=int, default=3)
   p.add_argument("--acceptance-length", type=float, default=None,
                  help="measured at --draft-len (default: the workload's)")
@@ -70,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--advise", action="store_true",
                  help="recommend drafter, K (or adaptive), sync vs async with policy lag")
   p.add_argument("--max-lag", type=int, default=2, help="--advise: largest policy lag to try")
-  p.add_argument("--drafters", default="eagle3,draft-model,ngram",
+  p.add_argument("--drafters", default=",".join(DEFAULT_DRAFTERS),
                  help="--advise: drafters to consider (mtp only if the model has the head)")
   p.add_argument("--drafter-acceptance", action="append", default=[],
                  help="--advise: DRAFTER=LENGTH, acceptance length at the workload's K")
@@ -121,7 +123,7 @@ def build_scenario(a: argparse.Namespace) -> Scenario:
 def run_calibration(a: argparse.Namespace) -> dict:
   cases = calibrate.paper_cases()
   for path in a.bench_json:
-    cases += calibrate.cases_from_benchmark_json(path)
+    cases += bench_data.cases_from_benchmark_json(path)
   eff = calibrate.fit_efficiency(cases)  # from the nominal Efficiency() values
   rows = calibrate.report(cases, eff)
   if not a.json:
@@ -160,25 +162,25 @@ def run_validation(a: argparse.Namespace) -> dict:
   fit_models = [m for m in a.fit_models.split(",") if m]
   fit_cases, held = [], []
   for path in a.forward_json:
-    for c in machine_fit.forward_cases(path, clock=a.clock):
+    for c in bench_data.forward_cases(path, clock=a.clock):
       (fit_cases if c.name.split(" ")[0] in fit_models else held).append(c)
   if a.clock == "cpu" and (a.fit_rollout or a.rollout_json):
     raise SystemExit("--clock cpu: bench_rollout.py JSON has wall time only")
   for path in a.fit_rollout:
-    fit_cases += machine_fit.rollout_cases(path)
+    fit_cases += bench_data.rollout_cases(path)
   for path in a.rollout_json:
     if path not in a.fit_rollout:
-      held += machine_fit.rollout_cases(path)
+      held += bench_data.rollout_cases(path)
   for path in a.fit_engine_json:
-    steps, arms = machine_fit.engine_cases(path, clock=a.clock)
+    steps, arms = bench_data.engine_cases(path, clock=a.clock)
     fit_cases += steps + arms
   for path in a.fit_engine_calibration:
-    steps, arms = machine_fit.engine_cases(path, clock=a.clock)
+    steps, arms = bench_data.engine_cases(path, clock=a.clock)
     fit_cases += steps
     held += arms
   run_steps = {}
   for path in a.engine_json:
-    steps, arms = machine_fit.engine_cases(path, clock=a.clock)
+    steps, arms = bench_data.engine_cases(path, clock=a.clock)
     held += steps + arms
     if steps:
       run_steps[arms[0].name.rsplit(" ", 1)[0] + " "] = steps
@@ -215,17 +217,19 @@ def run_validation(a: argparse.Namespace) -> dict:
 
 
 def run_advice(a: argparse.Namespace, s: Scenario) -> dict:
+  names = tuple(DRAFTER_COSTS)
   given = {}
   for item in a.drafter_acceptance:
     name, _, val = item.partition("=")
-    if name not in phases.DRAFTERS or not val:
+    if name not in DRAFTER_COSTS or not val:
       raise SystemExit(f"--drafter-acceptance: expected DRAFTER=LENGTH with DRAFTER in "
-                       f"{phases.DRAFTERS}, got {item!r}")
+                       f"{names}, got {item!r}")
     given[name] = float(val)
   drafters = tuple(d for d in a.drafters.split(",") if d)
+  speculative = tuple(n for n, d in DRAFTER_COSTS.items() if d.speculative)
   for d in drafters:
-    if d not in phases.DRAFTERS or d == "none":
-      raise SystemExit(f"--drafters: {d!r} is not one of {phases.DRAFTERS[1:]}")
+    if d not in speculative:
+      raise SystemExit(f"--drafters: {d!r} is not one of {speculative}")
   out = advise(s, drafters=drafters, max_lag=a.max_lag, acceptance=given)
   if not a.json:
     print(advice_text(out))
@@ -236,6 +240,8 @@ def main(argv=None) -> int:
   a = parse_args(argv)
   for path in a.catalog:
     catalog.load_catalog(path)
+  if a.measure_forwards or a.measure_engine:  # measure.py logs each timing as it goes
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
   if a.measure_forwards:
     from specjax.sim import measure  # jax, only here
     names = a.probe_models.split(",") if a.probe_models else list(measure.PROBE_MODELS)

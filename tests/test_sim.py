@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from specjax.sim import calibrate, catalog, cost
+from specjax.sim import bench_data, calibrate, catalog, cost
 from specjax.sim.catalog import get_hardware, get_model
 from specjax.sim.factors import efficiency_for
 from specjax.sim.simulate import Scenario, compare, simulate_step
@@ -149,7 +149,7 @@ def test_fit_recovers_known_factors_from_benchmark_json(tmp_path):
                         "tokens_per_s": batch * acc / probe.predict(truth)})
   path = tmp_path / "bench.json"
   path.write_text(json.dumps({"hardware": "h100", "model": "qwen3-0.6b", "results": results}))
-  cases = calibrate.cases_from_benchmark_json(str(path))
+  cases = bench_data.cases_from_benchmark_json(str(path))
   start = truth.replace(bw=0.5, flops=0.6, step_overhead_s=1e-3)
   fit = calibrate.fit_efficiency(cases, start, fields=("bw", "flops", "step_overhead_s"),
                                  ridge=0.0)

@@ -11,17 +11,17 @@ import os
 import numpy as np
 import pytest
 
-from specjax.sim import engine, machine_fit, phases
+from specjax.sim import bench_data, engine_model, machine_fit, phases
 from specjax.sim.catalog import get_hardware, get_model
 from specjax.sim.cost import Efficiency
-from specjax.sim.engine import EngineConfig, run_engine, tokens_per_step
 from specjax.sim.engine_cost import EngineCost
+from specjax.sim.engine_model import EngineModelConfig, simulate_engine, tokens_per_step
 from specjax.sim.scaled import project_scaled
 from specjax.sim.simulate import Scenario, compare
 from specjax.sim.workload import Workload
 
-TINY = machine_fit.model_spec({"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
-                               "head_dim": 32, "vocab": 256})
+TINY = bench_data.model_spec({"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
+                              "head_dim": 32, "vocab": 256})
 CPU_EFF = machine_fit.CPU_START
 
 
@@ -30,12 +30,13 @@ def flat_cost(bucket, k, window):
 
 
 def test_buckets_are_powers_of_two_below_the_batch_down_to_the_minimum():
-  assert EngineConfig(batch=64, prompt_len=8, max_new=16,
-                      min_bucket=8).buckets() == [64, 32, 16, 8]
-  assert EngineConfig(batch=48, prompt_len=8, max_new=16, min_bucket=8).buckets() == [48, 32, 16, 8]
-  assert EngineConfig(batch=4, prompt_len=8, max_new=16).buckets() == [4, 2, 1]
-  assert EngineConfig(batch=64, prompt_len=8, max_new=16, min_bucket=16,
-                      dp=4).buckets() == [64, 32, 16]
+  assert EngineModelConfig(batch=64, prompt_len=8, max_new=16,
+                           min_bucket=8).buckets() == [64, 32, 16, 8]
+  assert EngineModelConfig(batch=48, prompt_len=8, max_new=16,
+                           min_bucket=8).buckets() == [48, 32, 16, 8]
+  assert EngineModelConfig(batch=4, prompt_len=8, max_new=16).buckets() == [4, 2, 1]
+  assert EngineModelConfig(batch=64, prompt_len=8, max_new=16, min_bucket=16,
+                           dp=4).buckets() == [64, 32, 16]
 
 
 def test_tokens_per_step_is_one_plus_the_cumulative_rates():
@@ -46,19 +47,19 @@ def test_tokens_per_step_is_one_plus_the_cumulative_rates():
 
 
 def test_equal_lengths_ar_runs_max_new_minus_one_iterations_in_one_bucket():
-  cfg = EngineConfig(batch=16, prompt_len=8, max_new=50, windowed=False)
-  run = run_engine(cfg, [50] * 16, [], flat_cost)
+  cfg = EngineModelConfig(batch=16, prompt_len=8, max_new=50, windowed=False)
+  run = simulate_engine(cfg, [50] * 16, [], flat_cost)
   assert run.iterations == 49 and len(run.segments) == 1
   assert run.seconds == pytest.approx(49 * 16e-3)
 
 
 def test_compaction_moves_live_rows_to_smaller_buckets_and_beats_the_static_engine():
   lengths = [10] * 24 + [100] * 8
-  compact = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, windowed=False,
-                                    min_bucket=8),
-                       lengths, [], flat_cost)
-  static = run_engine(EngineConfig(batch=32, prompt_len=8, max_new=100, compact=False,
-                                   windowed=False), lengths, [], flat_cost)
+  compact = simulate_engine(EngineModelConfig(batch=32, prompt_len=8, max_new=100,
+                                              windowed=False, min_bucket=8),
+                            lengths, [], flat_cost)
+  static = simulate_engine(EngineModelConfig(batch=32, prompt_len=8, max_new=100, compact=False,
+                                             windowed=False), lengths, [], flat_cost)
   assert [s.bucket for s in compact.segments] == [32, 8]
   assert compact.segments[1].live_rows_start == 8
   assert compact.seconds < 0.4 * static.seconds
@@ -66,8 +67,8 @@ def test_compaction_moves_live_rows_to_smaller_buckets_and_beats_the_static_engi
 
 
 def test_windows_grow_in_multiples_of_128_up_to_the_static_cache():
-  cfg = EngineConfig(batch=8, prompt_len=100, max_new=300)
-  run = run_engine(cfg, [300] * 8, [], lambda b, k, w: 1e-6 * w)
+  cfg = EngineModelConfig(batch=8, prompt_len=100, max_new=300)
+  run = simulate_engine(cfg, [300] * 8, [], lambda b, k, w: 1e-6 * w)
   windows = [s.window for s in run.segments]
   assert windows == sorted(windows) and windows[0] == 128
   assert all(w % 128 == 0 or w == cfg.cache_size for w in windows)
@@ -76,9 +77,9 @@ def test_windows_grow_in_multiples_of_128_up_to_the_static_cache():
 
 def test_adaptive_k_is_zero_when_verify_costs_k_plus_one_steps_and_max_when_free():
   rates = [0.7, 0.5, 0.3, 0.2]
-  cfg = EngineConfig(batch=16, prompt_len=8, max_new=64, max_draft_len=4, adaptive=True)
-  bound = run_engine(cfg, [64] * 16, rates, lambda b, k, w: 1e-3 * (k + 1))
-  free = run_engine(cfg, [64] * 16, rates, lambda b, k, w: 1e-3)
+  cfg = EngineModelConfig(batch=16, prompt_len=8, max_new=64, max_draft_len=4, adaptive=True)
+  bound = simulate_engine(cfg, [64] * 16, rates, lambda b, k, w: 1e-3 * (k + 1))
+  free = simulate_engine(cfg, [64] * 16, rates, lambda b, k, w: 1e-3)
   assert set(bound.k_per_bucket.values()) == {0}
   assert set(free.k_per_bucket.values()) == {4}
   assert free.seconds < bound.seconds
@@ -86,19 +87,19 @@ def test_adaptive_k_is_zero_when_verify_costs_k_plus_one_steps_and_max_when_free
 
 def test_acceptance_noise_lengthens_the_static_tail():
   rates = [0.7, 0.5, 0.3]
-  cfg = EngineConfig(batch=64, prompt_len=8, max_new=200, draft_len=3, max_draft_len=3,
-                     compact=False, windowed=False)
-  run = run_engine(cfg, [200] * 64, rates, flat_cost)
+  cfg = EngineModelConfig(batch=64, prompt_len=8, max_new=200, draft_len=3, max_draft_len=3,
+                          compact=False, windowed=False)
+  run = simulate_engine(cfg, [200] * 64, rates, flat_cost)
   assert run.iterations > 199 / tokens_per_step(rates, 3)[0]
 
 
 def test_engine_config_rejects_bad_values_naming_the_field():
-  with pytest.raises(ValueError, match="EngineConfig.batch"):
-    EngineConfig(batch=30, prompt_len=8, max_new=16, dp=4)
-  with pytest.raises(ValueError, match="EngineConfig.draft_len"):
-    EngineConfig(batch=8, prompt_len=8, max_new=16, draft_len=5, max_draft_len=4)
-  with pytest.raises(ValueError, match="EngineConfig.arm"):
-    EngineConfig.for_arm("spec_magic", batch=8, prompt_len=8, max_new=16)
+  with pytest.raises(ValueError, match="EngineModelConfig.batch"):
+    EngineModelConfig(batch=30, prompt_len=8, max_new=16, dp=4)
+  with pytest.raises(ValueError, match="EngineModelConfig.draft_len"):
+    EngineModelConfig(batch=8, prompt_len=8, max_new=16, draft_len=5, max_draft_len=4)
+  with pytest.raises(ValueError, match="EngineModelConfig.arm"):
+    EngineModelConfig.for_arm("spec_magic", batch=8, prompt_len=8, max_new=16)
 
 
 def _engine_json(path, truth: Efficiency, drop=None):
@@ -106,8 +107,8 @@ def _engine_json(path, truth: Efficiency, drop=None):
   cfg = {"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "head_dim": 32, "vocab": 256,
          "batch": 32, "max_new": 96, "prompt_len": 32, "temperature": 1.0, "max_draft_len": 3,
          "length_quantiles": [8, 16, 30, 50, 96]}
-  model = machine_fit.model_spec(cfg)
-  draft = machine_fit.model_spec({**cfg, "layers": 1})
+  model = bench_data.model_spec(cfg)
+  draft = bench_data.model_spec({**cfg, "layers": 1})
   ec = EngineCost(model, machine_fit.CPU, truth, "draft-model", draft)
   cache = 32 + 96 + 3 + 1
   rows = [{"bucket": b, "draft_len": k, "step_s": ec.step(b, k, cache)}
@@ -118,7 +119,7 @@ def _engine_json(path, truth: Efficiency, drop=None):
     data["arms"][arm] = {"rollout_s": 1.0, "acceptance_length": 2.0 if "spec" in arm else 1.0,
                          "tokens": 1000, "k_per_bucket": {}, "segments": []}
   path.write_text(json.dumps(data))
-  _, arms = machine_fit.engine_cases(str(path))
+  _, arms = bench_data.engine_cases(str(path))
   for arm, case in zip(list(data["arms"]), arms):
     data["arms"][arm]["rollout_s"] = case.predict(truth)
   if drop:
@@ -130,7 +131,7 @@ def _engine_json(path, truth: Efficiency, drop=None):
 def test_fit_on_bench_engine_calibration_predicts_its_arms(tmp_path):
   truth = CPU_EFF.replace(bw=0.3, kv_bw=0.02, flops=0.4, step_overhead_s=3e-4)
   _engine_json(tmp_path / "e.json", truth)
-  steps, arms = machine_fit.engine_cases(str(tmp_path / "e.json"))
+  steps, arms = bench_data.engine_cases(str(tmp_path / "e.json"))
   assert len(steps) == 9 and {c.name.split()[-1] for c in arms} == {
       "ar_static", "ar_compact", "spec_adaptive"}
   out = machine_fit.validate(steps, arms, start=CPU_EFF,
@@ -144,7 +145,7 @@ def test_fit_on_bench_engine_calibration_predicts_its_arms(tmp_path):
 def test_bench_engine_json_missing_field_is_named(tmp_path):
   _engine_json(tmp_path / "e.json", CPU_EFF, drop="length_quantiles")
   with pytest.raises(ValueError, match="length_quantiles"):
-    machine_fit.engine_cases(str(tmp_path / "e.json"))
+    bench_data.engine_cases(str(tmp_path / "e.json"))
 
 
 def test_specjax_engine_scenario_runs_and_static_cache_limits_rows_per_wave():
@@ -199,12 +200,13 @@ def test_cli_advise_prints_a_recommendation_and_assumptions():
 
 
 def test_engine_arm_names_map_to_configs():
-  s = EngineConfig.for_arm("spec_static", batch=8, prompt_len=8, max_new=16)
+  s = EngineModelConfig.for_arm("spec_static", batch=8, prompt_len=8, max_new=16)
   assert s.draft_len == 3 and not s.compact and not s.windowed
-  a = EngineConfig.for_arm("spec_adaptive", batch=8, prompt_len=8, max_new=16)
+  a = EngineModelConfig.for_arm("spec_adaptive", batch=8, prompt_len=8, max_new=16)
   assert a.adaptive and a.compact
-  assert EngineConfig.for_arm("ar_compact", batch=8, prompt_len=8, max_new=16).draft_len == 0
-  assert engine.ARMS[0] == "ar_static"
+  assert EngineModelConfig.for_arm("ar_compact", batch=8, prompt_len=8,
+                                   max_new=16).draft_len == 0
+  assert engine_model.ARMS[0] == "ar_static"
 
 
 def test_forward_probe_json_loads_wall_or_cpu_seconds_and_names_a_missing_field(tmp_path):
@@ -214,14 +216,14 @@ def test_forward_probe_json_loads_wall_or_cpu_seconds_and_names_a_missing_field(
       "rows": [row]}}}
   path = tmp_path / "f.json"
   path.write_text(json.dumps(data))
-  assert machine_fit.forward_cases(str(path))[0].seconds == 2e-3
-  assert machine_fit.forward_cases(str(path), clock="cpu")[0].seconds == 1e-3
+  assert bench_data.forward_cases(str(path))[0].seconds == 2e-3
+  assert bench_data.forward_cases(str(path), clock="cpu")[0].seconds == 1e-3
   del row["seconds_cpu"]
   path.write_text(json.dumps(data))
   with pytest.raises(ValueError, match="seconds_cpu"):
-    machine_fit.forward_cases(str(path), clock="cpu")
+    bench_data.forward_cases(str(path), clock="cpu")
   with pytest.raises(ValueError, match="clock"):
-    machine_fit.forward_cases(str(path), clock="gpu")
+    bench_data.forward_cases(str(path), clock="gpu")
 
 
 def test_bench_engine_layout_with_percentile_lengths_and_drafter_prefixed_arms(tmp_path):
@@ -241,7 +243,7 @@ def test_bench_engine_layout_with_percentile_lengths_and_drafter_prefixed_arms(t
                    "ngram_adaptive": arm}}
   path = tmp_path / "bench_engine.json"
   path.write_text(json.dumps(data))
-  steps, arms = machine_fit.engine_cases(str(path))
+  steps, arms = bench_data.engine_cases(str(path))
   assert steps == []  # one table for two drafters: not attributable
   by = {c.name.split()[-1]: c for c in arms}
   assert by["spec_static"].drafter == "eagle3" and by["spec_static"].config.draft_len == 2

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.sim.drafters import (DRAFT_MODEL, EAGLE3, NGRAM, NO_DRAFT, DrafterCost,
+                                  get_drafter_cost)
 from specjax.sim.simulate import Scenario, StepResult, simulate_step
 from specjax.sim.workload import acceptance_from_rate, rate_for_acceptance
 
 DRAFT_LENS = (1, 2, 3, 4, 5, 7)
+DEFAULT_DRAFTERS = (EAGLE3.name, DRAFT_MODEL.name, NGRAM.name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,43 +22,42 @@ class Option:
   result: StepResult
 
 
-def _acceptance(s: Scenario, drafter: str, k: int, given: dict) -> float:
+def _acceptance(s: Scenario, drafter: DrafterCost, k: int, given: dict) -> float:
   """Acceptance length of `drafter` at K = k: given at the workload's reference K (default:
-  the workload's EAGLE-3 / n-gram figures), carried to k by the per-position decay model."""
+  the workload's figure for that drafter), carried to k by the per-position decay model."""
   w = s.workload
-  base = given.get(drafter)
+  base = given.get(drafter.name)
   if base is None:
-    base = w.ngram_acceptance_length if drafter == "ngram" else w.acceptance_length
+    base = drafter.workload_acceptance(w)
   rate = rate_for_acceptance(base, w.acceptance_at, w.acceptance_decay)
   return acceptance_from_rate(rate, k, w.acceptance_decay)
 
 
-def advise(base: Scenario, drafters=("eagle3", "draft-model", "ngram"), max_lag: int = 2,
+def advise(base: Scenario, drafters=DEFAULT_DRAFTERS, max_lag: int = 2,
            acceptance: dict | None = None, draft_lens=DRAFT_LENS) -> dict:
   """Every (drafter, K or adaptive, sync / async lag <= max_lag) option of `base`'s model,
   cluster and workload, ranked by step time. `acceptance` maps a drafter to its acceptance
   length at the workload's reference K (`acceptance_at`). Returns the best option, the best
   per drafter, the AR baselines and the assumptions."""
   acceptance = dict(acceptance or {})
+  costs = [get_drafter_cost(d, "advise.drafters") for d in drafters]
   modes = [("sync", 1)] + [("async", lag) for lag in range(1, max_lag + 1)]
   ar = {}
   for mode, lag in modes:
-    s = base.replace(mode=mode, policy_lag=lag, drafter="none", adaptive=False)
+    s = base.replace(mode=mode, policy_lag=lag, drafter=NO_DRAFT.name, adaptive=False)
     ar[(mode, lag)] = simulate_step(s)
   options = []
-  for drafter in drafters:
+  for d in costs:
     for mode, lag in modes:
       for k in draft_lens:
-        s = base.replace(mode=mode, policy_lag=lag, drafter=drafter, draft_len=k,
-                         acceptance_length=_acceptance(base, drafter, k, acceptance),
-                         adaptive=False)
-        options.append(Option(f"{drafter} K={k}", s, simulate_step(s)))
-      if base.engine == "specjax" and drafter != "ngram":
+        s = base.replace(mode=mode, policy_lag=lag, drafter=d.name, draft_len=k,
+                         acceptance_length=_acceptance(base, d, k, acceptance), adaptive=False)
+        options.append(Option(f"{d.name} K={k}", s, simulate_step(s)))
+      if base.engine == "specjax" and d.advise_adaptive:
         k = max(draft_lens)
-        s = base.replace(mode=mode, policy_lag=lag, drafter=drafter, draft_len=k,
-                         acceptance_length=_acceptance(base, drafter, k, acceptance),
-                         adaptive=True)
-        options.append(Option(f"{drafter} adaptive K<={k}", s, simulate_step(s)))
+        s = base.replace(mode=mode, policy_lag=lag, drafter=d.name, draft_len=k,
+                         acceptance_length=_acceptance(base, d, k, acceptance), adaptive=True)
+        options.append(Option(f"{d.name} adaptive K<={k}", s, simulate_step(s)))
   options.sort(key=lambda o: o.result.step)
   ar_sync = ar[("sync", 1)]
 
@@ -81,11 +83,11 @@ def advise(base: Scenario, drafters=("eagle3", "draft-model", "ngram"), max_lag:
       f"tokens, lognormal lengths mean {w.mean_response_len:g} (sigma {w.length_sigma}) "
       f"clipped at {w.max_response_len}",
       "acceptance lengths at K=" + str(w.acceptance_at) + ": " + ", ".join(
-          f"{d} {_acceptance(base, d, w.acceptance_at, acceptance):.2f}"
-          + ("" if d in acceptance else " (workload default)") for d in drafters)
+          f"{d.name} {_acceptance(base, d, w.acceptance_at, acceptance):.2f}"
+          + ("" if d.name in acceptance else " (workload default)") for d in costs)
       + f"; other K by per-position decay {w.acceptance_decay}",
-      "draft-model acceptance defaults to EAGLE-3's unless given" if "draft-model" in drafters
-      and "draft-model" not in acceptance else None,
+      *(f"{d.name} {d.acceptance_note}" for d in costs
+        if d.acceptance_note and d.name not in acceptance),
       f"engine {base.engine}: " + ("paged KV cache, continuous batching (vLLM-like)"
                                    if base.engine == "vllm" else
                                    "static cache per row, buckets + compaction (specjax)"),
@@ -96,7 +98,8 @@ def advise(base: Scenario, drafters=("eagle3", "draft-model", "ngram"), max_lag:
   ]
   return {"model": base.model, "hardware": base.hardware, "gpus": base.gpus,
           "workload": w.name, "engine": base.engine,
-          "recommendation": best if speculate else {"drafter": "none", "mode": best_ar[0][0],
+          "recommendation": best if speculate else {"drafter": NO_DRAFT.name,
+                                                    "mode": best_ar[0][0],
                                                     "policy_lag": best_ar[0][1]},
           "speculate": speculate, "best_per_drafter": best_per,
           "ar": {f"{m}" + (f" lag {lag}" if m == "async" else ""): {"gen_s": r.gen,

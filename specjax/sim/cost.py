@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specjax.sim.catalog import HardwareSpec, ModelSpec
+
+if TYPE_CHECKING:
+  from specjax.sim.drafters import DrafterCost
 
 DRAFT_VOCAB = 32000  # EAGLE-3 reduced draft vocabulary
 LOGIT_BYTES = 12.0  # fp32 logits written, read by softmax, read by the sampler
@@ -177,10 +181,11 @@ def ar_step_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int, r
 
 
 def spec_step_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int, rows, kv_tokens,
-                   draft_len: int, acceptance_length: float, drafter: str,
+                   draft_len: int, acceptance_length: float, drafter: DrafterCost,
                    draft_model: ModelSpec | None = None) -> np.ndarray:
-  """One speculative step: K sequential draft forwards, then the target verifies K+1 tokens per
-  row at once (same weights and KV read as one AR step, K+1 times the FLOPs and logits)."""
+  """One speculative step: the drafter's work (`drafter.vllm_draft_time`), then the target
+  verifies K+1 tokens per row at once (same weights and KV read as one AR step, K+1 times the
+  FLOPs and logits)."""
   rows = np.asarray(rows, float)
   kv_tokens = np.asarray(kv_tokens, float)
   k = draft_len
@@ -188,24 +193,5 @@ def spec_step_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int,
                         eff.step_overhead_s)
   if k == 0:
     return verify
-  if drafter == "ngram":
-    # Proposals are computed on the host from token ids: the step blocks on a device->host copy
-    # of the accepted tokens (no overlap of scheduling with the GPU), then every live row's
-    # context is scanned for the longest suffix match.
-    host = np.where(rows > 0, eff.step_overhead_s + eff.host_ngram_s_per_token * kv_tokens, 0.0)
-    return verify + host
-  if drafter == "eagle3":
-    net = eagle3_net(model)
-  elif drafter == "mtp":
-    net = mtp_net(model)
-  elif drafter == "draft-model":
-    if draft_model is None:
-      raise ValueError("spec_step_time: drafter='draft-model' needs draft_model")
-    net = target_net(draft_model)
-  else:
-    raise ValueError(f"spec_step_time: unknown drafter {drafter!r}")
-  # The first draft forward also catches up on the tokens committed by the last verify.
-  first = forward_time(net, hw, eff, mp, rows * acceptance_length, kv_tokens,
-                       acceptance_length, eff.draft_overhead_s)
-  rest = forward_time(net, hw, eff, mp, rows, kv_tokens, 1.0, eff.draft_overhead_s)
-  return verify + np.where(k > 0, first + (k - 1) * rest, 0.0)
+  return verify + drafter.vllm_draft_time(model, hw, eff, mp, rows, kv_tokens, k,
+                                          acceptance_length, draft_model)

@@ -11,9 +11,7 @@ import functools
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
-
-ENGINE_DRAFTERS = ("none", "draft-model", "eagle3", "mtp", "ngram")
-TOKEN_ID_BYTES = 4
+from specjax.sim.drafters import NO_DRAFT, DrafterCost, get_drafter_cost
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,24 +21,17 @@ class EngineCost:
   model: ModelSpec
   hardware: HardwareSpec
   eff: Efficiency
-  drafter: str = "none"
+  drafter: str = NO_DRAFT.name
   draft_model: ModelSpec | None = None
   mp: int = 1
   draft_vocab: int = cost.DRAFT_VOCAB  # EAGLE-3 head's reduced vocabulary
+  drafter_cost: DrafterCost = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
-    if self.drafter not in ENGINE_DRAFTERS:
-      raise ValueError(f"EngineCost.drafter: must be one of {ENGINE_DRAFTERS}, got "
-                       f"{self.drafter!r}")
-    if self.drafter == "draft-model" and self.draft_model is None:
-      raise ValueError("EngineCost.draft_model: required for drafter='draft-model'")
-
-  def _draft_net(self):
-    if self.drafter == "draft-model":
-      return cost.target_net(self.draft_model)
-    if self.drafter == "eagle3":
-      return cost.eagle3_net(self.model, self.draft_vocab)
-    return cost.mtp_net(self.model)
+    d = get_drafter_cost(self.drafter, "EngineCost.drafter")
+    if d.needs_draft_model and self.draft_model is None:
+      raise ValueError(f"EngineCost.draft_model: required for drafter={self.drafter!r}")
+    object.__setattr__(self, "drafter_cost", d)
 
   def target_forward(self, rows: int, tokens: int, window: int,
                      bare: bool = False) -> float:
@@ -52,20 +43,10 @@ class EngineCost:
                                    logit_tokens=0 if bare else None))
 
   def draft_time(self, rows: int, draft_len: int, window: int) -> float:
-    """K sequential draft forwards; the first also feeds the last two committed tokens."""
-    if draft_len == 0 or self.drafter == "none":
+    """K sequential draft forwards (or the drafter's equivalent work)."""
+    if draft_len == 0:
       return 0.0
-    e = self.eff
-    if self.drafter == "ngram":
-      # on the device, inside the program: one scan of every row's token ids per draft token
-      ids = rows * window * TOKEN_ID_BYTES * draft_len
-      return float(ids / (self.mp * self.hardware.hbm_bw * e.bw) + e.draft_overhead_s)
-    net = self._draft_net()
-    first = cost.forward_time(net, self.hardware, e, self.mp, rows * 2, rows * window, 2,
-                              e.draft_overhead_s, logit_tokens=rows)
-    rest = cost.forward_time(net, self.hardware, e, self.mp, rows, rows * window, 1,
-                             e.draft_overhead_s)
-    return float(first + (draft_len - 1) * rest)
+    return self.drafter_cost.specjax_draft_time(self, rows, draft_len, window)
 
   @functools.lru_cache(maxsize=4096)
   def step(self, bucket: int, draft_len: int, window: int) -> float:
@@ -81,8 +62,6 @@ class EngineCost:
     t = cost.forward_time(net, self.hardware, self.eff, self.mp, rows * prompt_len,
                           rows * cache_size, prompt_len, self.eff.step_overhead_s,
                           logit_tokens=rows)
-    if draft_len and self.drafter == "draft-model":
-      t = t + cost.forward_time(self._draft_net(), self.hardware, self.eff, self.mp,
-                                rows * prompt_len, rows * cache_size, prompt_len,
-                                self.eff.draft_overhead_s, logit_tokens=0)
+    if draft_len:
+      t = t + self.drafter_cost.prefill_time(self, rows, prompt_len, cache_size)
     return float(t)

@@ -1,8 +1,11 @@
-"""specjax's own rollout engine as a model: static batch buckets, live-batch compaction, attention
-windows, adaptive draft length per bucket; and the old static engine (full batch, fixed K).
+"""A model of specjax's rollout engine (`specjax.sampling.engine`): static batch buckets, live-batch
+compaction, attention windows, adaptive draft length per bucket; and the static loop (full batch,
+fixed K).
 
-Pure numpy. `run_engine(cfg, lengths, rates, step_cost, prefill_s)` returns the segments the
-engine would run and their seconds; `step_cost(bucket, K, window)` is any per-iteration cost.
+Pure numpy. `simulate_engine(cfg, lengths, rates, step_cost, prefill_s)` returns the segments the
+engine would run and their seconds; `step_cost(bucket, K, window)` is any per-iteration cost. The
+policy the model shares with the engine (defaults, buckets, windows, iteration budgets) is the
+engine's own plain-Python code (`specjax.sampling.engine_config`, `buckets`, `adaptive`).
 """
 
 from __future__ import annotations
@@ -14,24 +17,29 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specjax.sampling.adaptive import AcceptanceEstimate, DraftLenPolicy
+from specjax.sampling.buckets import bucket_sizes, window_for
+from specjax.sampling.engine_config import EngineConfig
 from specjax.sim.workload import rate_for_acceptance
 
 ARMS = ("ar_static", "ar_compact", "spec_static", "spec_compact", "spec_adaptive")
 _NORMAL = NormalDist()
+ENGINE_DEFAULTS = EngineConfig()
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"EngineConfig.{field}: {msg}")
+    raise ValueError(f"EngineModelConfig.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineConfig:
+class EngineModelConfig:
   """How the engine runs one rollout batch. `draft_len` is the fixed K of non-adaptive runs
   (0 = plain AR); adaptive runs pick K in [0, max_draft_len] per bucket. `compact` gathers the
-  live rows into the next smaller power-of-two bucket (>= min_bucket) when they fit; `windowed`
+  live rows into the smallest bucket that holds them (the engine's `bucket_sizes`); `windowed`
   attends over [0, W) with W the smallest window_multiple * 2^j holding the longest live row
-  + K + 1."""
+  + K + 1 (the engine's `window_for`). Defaults shared with the engine are its own
+  (`EngineConfig()`)."""
 
   batch: int
   prompt_len: int
@@ -41,16 +49,24 @@ class EngineConfig:
   adaptive: bool = False
   compact: bool = True
   windowed: bool = True
-  min_bucket: int = 1
+  min_bucket: int = ENGINE_DEFAULTS.min_bucket
+  max_buckets: int = ENGINE_DEFAULTS.max_buckets
   dp: int = 1  # data-parallel size: every bucket is a multiple of it
   window_multiple: int = 128
-  first_segment_iters: int = 4  # adaptive: steps before the first re-decision of K ...
-  max_segment_iters: int = 256  # ... doubling per segment in a bucket up to this
+  # adaptive: steps of a drafting segment while fewer than probe_drafts drafts back the
+  # acceptance estimate, then first_segment_iters doubling per segment at a bucket's K up to
+  # max_segment_iters (`DraftLenPolicy.budget`); the estimate starts empty, as in a first rollout
+  probe_iters: int = ENGINE_DEFAULTS.probe_iters
+  probe_drafts: float = ENGINE_DEFAULTS.probe_drafts
+  first_segment_iters: int = ENGINE_DEFAULTS.first_segment_iters
+  max_segment_iters: int = ENGINE_DEFAULTS.max_segment_iters
   segment_overhead_s: float = 0.0  # host work per segment: sync, summary, compaction gather
 
   def __post_init__(self):
-    for f in ("batch", "prompt_len", "max_new", "min_bucket", "dp", "window_multiple"):
+    for f in ("batch", "prompt_len", "max_new", "min_bucket", "max_buckets", "dp",
+              "window_multiple", "probe_iters"):
       _check(getattr(self, f) >= 1, f, f"must be >= 1, got {getattr(self, f)}")
+    _check(self.probe_drafts >= 0, "probe_drafts", f"must be >= 0, got {self.probe_drafts}")
     _check(self.batch % self.dp == 0, "batch", f"{self.batch} must be divisible by dp={self.dp}")
     _check(0 <= self.draft_len <= self.max_draft_len, "draft_len",
            f"must be in [0, max_draft_len={self.max_draft_len}], got {self.draft_len}")
@@ -62,10 +78,10 @@ class EngineConfig:
            f"must be >= 0, got {self.segment_overhead_s}")
 
   @classmethod
-  def for_arm(cls, arm: str, **kw) -> "EngineConfig":
+  def for_arm(cls, arm: str, **kw) -> "EngineModelConfig":
     """The configuration of a bench_engine arm name (ar_static, spec_adaptive, ...)."""
     if arm not in ARMS:
-      raise ValueError(f"EngineConfig.arm: must be one of {ARMS}, got {arm!r}")
+      raise ValueError(f"EngineModelConfig.arm: must be one of {ARMS}, got {arm!r}")
     spec = arm.startswith("spec")
     k = kw.pop("draft_len", None)
     if spec and k is None:
@@ -80,14 +96,29 @@ class EngineConfig:
     return self.prompt_len + self.max_new + self.max_draft_len + 1
 
   def buckets(self) -> list[int]:
-    """The batch, then the powers of two below it that are multiples of dp and >= min_bucket
-    (as specjax.sampling.engine.bucket_sizes)."""
-    out, b = [self.batch], 1 << (self.batch - 1).bit_length()
-    while b > 1:
-      b //= 2
-      if b < self.batch and b % self.dp == 0 and b >= max(self.min_bucket, self.dp):
-        out.append(b)
-    return out
+    """The engine's buckets: the batch, then the powers of two below it that are multiples of dp
+    and >= min_bucket, at most max_buckets."""
+    return bucket_sizes(self.batch, self.dp, self.min_bucket, self.max_buckets)
+
+  def window(self, longest: float, k: int) -> int:
+    """The attention window of a step (the engine's `window_for`), the whole static cache when
+    that reaches it or windows are off."""
+    block = self.window_multiple if self.windowed else 0
+    return window_for(longest, k, block, self.cache_size) or self.cache_size
+
+  def draft_len_policy(self) -> DraftLenPolicy:
+    """The engine's K policy at this config, with an empty acceptance estimate (the model takes
+    only its iteration budget: K itself is chosen from the given rates)."""
+    engine = EngineConfig(compaction=self.compact, min_bucket=self.min_bucket,
+                          max_buckets=self.max_buckets, adaptive=self.adaptive,
+                          max_draft_len=self.max_draft_len, probe_iters=self.probe_iters,
+                          probe_drafts=self.probe_drafts,
+                          first_segment_iters=self.first_segment_iters,
+                          max_segment_iters=self.max_segment_iters)
+    k_choices = tuple(range(self.max_draft_len + 1)) if self.adaptive else (self.draft_len,)
+    estimate = AcceptanceEstimate(max(self.max_draft_len, 1), engine.prior_acceptance,
+                                  engine.prior_weight)
+    return DraftLenPolicy(k_choices, estimate, engine)
 
 
 def tokens_per_step(rates: Sequence[float], draft_len: int) -> tuple[float, float]:
@@ -117,7 +148,9 @@ def cumulative_rates(acceptance_length: float, max_draft_len: int, at: int | Non
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
+class SimSegment:
+  """One simulated segment, in the form of the engine's log (`specjax.sampling.Segment`)."""
+
   bucket: int
   draft_len: int
   window: int
@@ -128,10 +161,10 @@ class Segment:
 
 
 @dataclasses.dataclass(frozen=True)
-class EngineRun:
+class EngineModelRun:
   seconds: float  # prefill + segments
   prefill_s: float
-  segments: tuple[Segment, ...]
+  segments: tuple[SimSegment, ...]
   k_per_bucket: dict
 
   @property
@@ -161,7 +194,7 @@ def effective_lengths(lengths: np.ndarray, mean: float, var: float) -> np.ndarra
   return np.maximum(lengths + z * np.sqrt(np.maximum(lengths, 0.0) * var / mean), 1.0)
 
 
-def choose_draft_len(cfg: EngineConfig, bucket: int, window: int, rates, step_cost) -> int:
+def choose_draft_len(cfg: EngineModelConfig, bucket: int, window: int, rates, step_cost) -> int:
   """Adaptive K of a bucket: argmax_K E[tokens per step | K] / cost(bucket, K, window)."""
   if not cfg.adaptive:
     return cfg.draft_len
@@ -170,9 +203,9 @@ def choose_draft_len(cfg: EngineConfig, bucket: int, window: int, rates, step_co
   return best
 
 
-def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[float],
-               step_cost: Callable[[int, int, int], float], prefill_s: float = 0.0,
-               k_per_bucket: dict | None = None) -> EngineRun:
+def simulate_engine(cfg: EngineModelConfig, lengths: Sequence[float], rates: Sequence[float],
+                    step_cost: Callable[[int, int, int], float], prefill_s: float = 0.0,
+                    k_per_bucket: dict | None = None) -> EngineModelRun:
   """Segments of one rollout of `cfg.batch` rows with completion lengths `lengths` (tokens,
   the first sampled by the prefill). Every live row advances the same expected number of tokens
   per iteration (acceptance noise folded into each row's work, see effective_lengths). A
@@ -181,9 +214,10 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
   runs out and K is chosen again. `k_per_bucket` fixes K per bucket (as a measured run chose)."""
   lengths = np.asarray(lengths, float)
   if len(lengths) != cfg.batch:
-    raise ValueError(f"run_engine: {len(lengths)} lengths for EngineConfig.batch={cfg.batch}")
+    raise ValueError(f"simulate_engine: {len(lengths)} lengths for "
+                     f"EngineModelConfig.batch={cfg.batch}")
   if len(rates) < cfg.max_draft_len and (cfg.adaptive or cfg.draft_len):
-    raise ValueError(f"run_engine: rates need max_draft_len={cfg.max_draft_len} entries, "
+    raise ValueError(f"simulate_engine: rates need max_draft_len={cfg.max_draft_len} entries, "
                      f"got {len(rates)}")
   fixed = dict(k_per_bucket or {})
   adaptive = cfg.adaptive and not fixed  # choose K here (else as measured / fixed)
@@ -193,14 +227,15 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
   if fixed:
     noise_k = fixed.get(cfg.batch, max(fixed.values()))
   elif adaptive:
-    noise_k = choose_draft_len(cfg, cfg.batch, _window(cfg, cfg.prompt_len + 1,
-                                                       cfg.max_draft_len), rates, step_cost)
+    noise_k = choose_draft_len(cfg, cfg.batch, cfg.window(cfg.prompt_len + 1, cfg.max_draft_len),
+                               rates, step_cost)
   else:
     noise_k = cfg.draft_len
   work = np.sort(effective_lengths(np.clip(lengths, 1, cfg.max_new) - 1.0,
                                    *tokens_per_step(rates, noise_k)))
   done_tokens = 0.0  # tokens each live row has committed since the prefill
-  segments, chosen, budget = [], {}, {}
+  policy = cfg.draft_len_policy()  # the engine's iteration budget per segment
+  segments, chosen, per_bucket, last_k = [], {}, {}, {}
   bi = 0
   while True:
     live = int((work > done_tokens + 1e-9).sum())
@@ -213,12 +248,11 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
     if bucket in fixed:
       k = fixed[bucket]
     elif adaptive:
-      k = choose_draft_len(cfg, bucket, _window(cfg, longest, cfg.max_draft_len), rates,
-                           step_cost)
+      k = choose_draft_len(cfg, bucket, cfg.window(longest, cfg.max_draft_len), rates, step_cost)
     else:
       k = cfg.draft_len
     mean, _ = tokens_per_step(rates, k)
-    window = _window(cfg, longest, k)
+    window = cfg.window(longest, k)
     # iterations until: the live rows fit the next bucket, the window must grow, all done
     limits = [work[-1]]
     if cfg.compact and bi + 1 < len(buckets):
@@ -227,28 +261,20 @@ def run_engine(cfg: EngineConfig, lengths: Sequence[float], rates: Sequence[floa
       limits.append(window - k - 1 - cfg.prompt_len - 1)
     target = max(min(limits), done_tokens + 1e-6)
     iters = max(1, math.ceil((target - done_tokens) / mean - 1e-9))
-    if cfg.adaptive and k > 0:  # the engine re-decides K after a growing iteration budget
-      # (K = 0 gathers no acceptance evidence, so it runs until the bucket or window ends)
-      j = budget.get(bucket, (k, 0))[1] if budget.get(bucket, (k, 0))[0] == k else 0
-      iters = min(iters, cfg.first_segment_iters << j, cfg.max_segment_iters)
-      budget[bucket] = (k, j + 1)
+    # the engine re-decides K after a budget that grows per segment at the bucket's K (as its
+    # host loop counts them)
+    j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
+    per_bucket[bucket], last_k[bucket] = j + 1, k
+    iters = min(iters, policy.budget(k, j))
     step = step_cost(bucket, k, window)
     new_done = done_tokens + iters * mean
     tokens = float(np.clip(np.minimum(work, new_done) - done_tokens, 0, None).sum())
-    segments.append(Segment(bucket, k, window, iters, live,
-                            iters * step + cfg.segment_overhead_s, tokens))
+    if k > 0:  # the drafts behind the engine's acceptance estimate: one per live row per step
+      drafts = tokens / mean
+      policy.estimate.add(k, drafts, drafts * np.asarray(rates[:k], float))
+    segments.append(SimSegment(bucket, k, window, iters, live,
+                               iters * step + cfg.segment_overhead_s, tokens))
     chosen[bucket] = k
     done_tokens = new_done
   total = prefill_s + sum(s.seconds for s in segments)
-  return EngineRun(total, prefill_s, tuple(segments), chosen)
-
-
-def _window(cfg: EngineConfig, longest: float, k: int) -> int:
-  """The smallest window_multiple * 2^j holding the step's writes (as the engine's
-  window_for), the whole static cache when that reaches it or windows are off."""
-  if not cfg.windowed:
-    return cfg.cache_size
-  w = cfg.window_multiple
-  while w < longest + k + 1:
-    w *= 2
-  return int(min(cfg.cache_size, w))
+  return EngineModelRun(total, prefill_s, tuple(segments), chosen)

@@ -7,6 +7,7 @@ The only module of specjax.sim that imports jax; `import specjax.sim` never load
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import platform
 import statistics
@@ -17,7 +18,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models import Decoder, ModelConfig
+from specjax.sim.engine_model import ARMS
 
+log = logging.getLogger(__name__)
 ITERS = 8  # forwards per timed call, inside one jitted loop (as in the engine's while_loop)
 
 
@@ -82,7 +85,7 @@ def forward_grid(cfg: ModelConfig, batches, tokens, windows, repeats: int = 5,
   for b, t, w in itertools.product(batches, tokens, windows):
     s, c = time_forward(model, b, t, w, repeats)
     rows.append({"batch": b, "tokens": t, "window": w, "seconds": s, "seconds_cpu": c})
-    print(f"  b={b:<4} T={t:<3} W={w:<5} {s * 1e3:8.3f} ms (cpu {c * 1e3:8.3f} ms)", flush=True)
+    log.info("  b=%-4d T=%-3d W=%-5d %8.3f ms (cpu %8.3f ms)", b, t, w, s * 1e3, c * 1e3)
   return rows
 
 
@@ -108,30 +111,29 @@ def run_probes(names, batches=(1, 4, 16, 64), tokens=(1, 4, 8), windows=(128, 51
   out = {"kind": "forward_costs", "machine": machine(), "iters_per_call": ITERS, "models": {}}
   for name in names:
     cfg = model_config(**PROBE_MODELS[name])
-    print(f"{name}: {cfg.num_params() / 1e6:.2f}M params", flush=True)
+    log.info("%s: %.2fM params", name, cfg.num_params() / 1e6)
     out["models"][name] = {"model": model_fields(cfg), "num_params": cfg.num_params(),
                            "rows": forward_grid(cfg, batches, tokens, windows, repeats)}
   return out
-
-
-ENGINE_ARMS = ("ar_static", "ar_compact", "spec_static", "spec_compact", "spec_adaptive")
 
 
 def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: int,
                      eos_tokens: int, draft_len: int = 3, max_draft_len: int = 3,
                      draft_layers: int = 1, min_bucket: int = 8, repeats: int = 3,
                      temperature: float = 1.0, init_std: float = 0.05, seed: int = 0,
-                     arms=ENGINE_ARMS) -> dict:
+                     arms=ARMS) -> dict:
   """Rollouts of one random-weight target by specjax's engine in each arm, as the bench_engine
   JSON schema (docs/SIMULATOR.md) plus per-arm `lengths`, `rollout_s_min` and `rollout_s_all`.
   Tokens 1..eos_tokens end a row, so completion lengths are long-tailed (about geometric,
   mean vocab / eos_tokens, clipped at max_new). The draft is the target's first
-  `draft_layers` layers (shared embedding and head)."""
+  `draft_layers` layers (shared embedding and head). All arms share one `EngineTuning`: its
+  measured costs and acceptance estimates carry from arm to arm, and its calibration table is
+  the JSON's."""
   import numpy as np
 
-  from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, SamplingConfig,
-                                generate, speculative_generate, truncated_copy)
-  from specjax.sampling import engine as eng
+  from specjax.sampling import (STATIC, AcceptanceMetrics, DraftModelDrafter, DraftModelMethod,
+                                EngineConfig, EngineTuning, SamplingConfig, generate,
+                                speculative_generate, truncated_copy)
 
   cfg = cfg.replace(init_std=init_std)
   target = Decoder(cfg, rngs=nnx.Rngs(seed))
@@ -143,20 +145,21 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
   scfg = SamplingConfig(max_new_tokens=max_new, temperature=temperature,
                         eos_ids=tuple(range(1, eos_tokens + 1)))
   drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, draft_layers), draft_len)
-  engines = {"static": eng.STATIC,
-             "compact": eng.EngineConfig(adaptive=False, min_bucket=min_bucket),
-             "adaptive": eng.EngineConfig(adaptive=True, max_draft_len=max_draft_len,
-                                          min_bucket=min_bucket)}
+  engines = {"static": STATIC,
+             "compact": EngineConfig(adaptive=False, min_bucket=min_bucket),
+             "adaptive": EngineConfig(adaptive=True, max_draft_len=max_draft_len,
+                                      min_bucket=min_bucket)}
   key = jax.random.key(seed)
   out_arms = {}
-  eng.clear_calibration()
+  tuning = EngineTuning()
   for arm in arms:
     kind, mode = arm.split("_")
     if kind == "ar":
-      run = lambda: generate(target, prompts, lengths, key, scfg, engine=engines[mode])
+      run = lambda: generate(target, prompts, lengths, key, scfg, engine=engines[mode],
+                             tuning=tuning)
     else:
       run = lambda: speculative_generate(target, drafter, dparams, prompts, lengths, key, scfg,
-                                         engine=engines[mode])
+                                         engine=engines[mode], tuning=tuning)
     t0 = time.perf_counter()
     out = jax.block_until_ready(run())
     first = time.perf_counter() - t0
@@ -179,9 +182,9 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
                      "acceptance_length": acc, "per_position_acceptance_rate": rates,
                      "tokens": int(np.sum(out.lengths)), "k_per_bucket": kpb,
                      "segments": segs, "lengths": [int(x) for x in np.asarray(out.lengths)]}
-    print(f"  {arm:<14} {statistics.median(times):7.3f} s (min {min(times):.3f}, cpu "
-          f"{statistics.median(cpu):.3f}, first {first:.1f})  acc {acc:.2f}  segments "
-          f"{len(segs)}  K {kpb}", flush=True)
+    log.info("  %-14s %7.3f s (min %.3f, cpu %.3f, first %.1f)  acc %.2f  segments %d  K %s",
+             arm, statistics.median(times), min(times), statistics.median(cpu), first, acc,
+             len(segs), kpb)
   fields = model_fields(cfg)
   ref = out_arms.get("ar_static") or next(iter(out_arms.values()))
   return {"machine": machine(), "command": "", "config": {
@@ -192,5 +195,5 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
       "length_quantiles": sorted(ref["lengths"]), "draft_layers": draft_layers,
       "min_bucket": min_bucket, "eos_tokens": eos_tokens, "draft_len": draft_len},
       "target_params": cfg.num_params(),
-      "calibration": {"rows": eng.calibration_table(), "drafter": "draft_model"},
+      "calibration": {"rows": tuning.calibration_table(), "drafter": DraftModelMethod.name},
       "arms": out_arms}

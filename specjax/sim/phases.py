@@ -14,11 +14,10 @@ import numpy as np
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
-from specjax.sim.engine import EngineConfig, cumulative_rates, run_engine
+from specjax.sim.drafters import NO_DRAFT, DrafterCost
 from specjax.sim.engine_cost import EngineCost
+from specjax.sim.engine_model import EngineModelConfig, cumulative_rates, simulate_engine
 from specjax.sim.workload import Workload
-
-DRAFTERS = ("none", "eagle3", "draft-model", "mtp", "ngram")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,27 +96,20 @@ def _schedule(lengths: np.ndarray, slots: int, tokens_per_step: float, prompt_le
 
 
 def generation(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
-               workload: Workload, *, mp: int, drafter: str = "none", draft_len: int = 0,
-               acceptance_length: float = 1.0, draft_model: ModelSpec | None = None,
-               rows_per_replica: int | None = None, memory_fraction: float = 0.85,
-               chunks: int = 512) -> GenResult:
+               workload: Workload, *, mp: int, drafter: DrafterCost = NO_DRAFT,
+               draft_len: int = 0, acceptance_length: float = 1.0,
+               draft_model: ModelSpec | None = None, rows_per_replica: int | None = None,
+               memory_fraction: float = 0.85, chunks: int = 512) -> GenResult:
   """Rollout time of one step on `gpus` GPUs in replicas of `mp`: prefill, then decode steps
-  whose cost follows the live batch and its context as responses finish. K = 0 or drafter
-  'none' is plain autoregressive decoding."""
-  if drafter not in DRAFTERS:
-    raise ValueError(f"generation: drafter must be one of {DRAFTERS}, got {drafter!r}")
+  whose cost follows the live batch and its context as responses finish. K = 0 or no drafter
+  is plain autoregressive decoding."""
   if gpus < mp or gpus % mp:
     raise ValueError(f"generation: gpus={gpus} must be a positive multiple of mp={mp}")
-  speculative = drafter != "none" and draft_len > 0
+  speculative = drafter.speculative and draft_len > 0
   acc = acceptance_length if speculative else 1.0
   replicas = gpus // mp
   rows = rows_per_replica or math.ceil(workload.rollouts / replicas)
-  extra = 0.0
-  if speculative and drafter == "draft-model":
-    extra = draft_model.weight_bytes
-  elif speculative and drafter in ("eagle3", "mtp"):
-    net = cost.eagle3_net(model) if drafter == "eagle3" else cost.mtp_net(model)
-    extra = net.dense_params * net.bytes_per_param
+  extra = drafter.weight_bytes(model, draft_model) if speculative else 0.0
   slots = kv_slots(model, hw, mp, workload, rows, memory_fraction, extra)
   lengths = _replica_lengths(workload, rows)
   width, live, ctx, horizon = _schedule(lengths, slots, acc, workload.prompt_len, chunks)
@@ -136,27 +128,22 @@ def generation(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
 
 
 def generation_specjax(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
-                       workload: Workload, *, mp: int, drafter: str = "none",
+                       workload: Workload, *, mp: int, drafter: DrafterCost = NO_DRAFT,
                        draft_len: int = 0, acceptance_length: float = 1.0,
                        draft_model: ModelSpec | None = None, adaptive: bool = False,
                        min_bucket: int = 8, rows_per_replica: int | None = None,
                        memory_fraction: float = 0.85) -> GenResult:
-  """Rollout time of one step with specjax's engine (`engine.run_engine`): every replica
-  allocates a static cache of prompt + max length + K + 1 per row, so it runs its rows in
-  waves of at most that many; each wave starts in one bucket and compacts into smaller ones
+  """Rollout time of one step with specjax's engine (`engine_model.simulate_engine`): every
+  replica allocates a static cache of prompt + max length + K + 1 per row, so it runs its rows
+  in waves of at most that many; each wave starts in one bucket and compacts into smaller ones
   as rows finish (adaptive K per bucket if `adaptive`). Waves run one after another."""
-  speculative = drafter != "none" and (draft_len > 0 or adaptive)
+  speculative = drafter.speculative and (draft_len > 0 or adaptive)
   replicas = gpus // mp
   rows = rows_per_replica or math.ceil(workload.rollouts / replicas)
   max_k = draft_len if speculative else 0
   n_max = workload.max_response_len
   cache = workload.prompt_len + n_max + max_k + 1
-  extra = 0.0
-  if speculative and drafter == "draft-model":
-    extra = draft_model.weight_bytes
-  elif speculative and drafter in ("eagle3", "mtp"):
-    net = cost.eagle3_net(model) if drafter == "eagle3" else cost.mtp_net(model)
-    extra = net.dense_params * net.bytes_per_param
+  extra = drafter.weight_bytes(model, draft_model) if speculative else 0.0
   budget = mp * hw.hbm_bytes * memory_fraction - model.weight_bytes - extra
   per_row = model.kv_bytes_per_token * cache
   if budget < per_row:
@@ -168,17 +155,17 @@ def generation_specjax(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus
   order = _queue_order(rows)  # the longest row first, then a mix of short and long rows
   rates = cumulative_rates(acceptance_length, max_k, decay=workload.acceptance_decay) \
       if speculative else []
-  ec = EngineCost(model, hw, eff, drafter if speculative else "none", draft_model, mp)
+  ec = EngineCost(model, hw, eff, (drafter if speculative else NO_DRAFT).name, draft_model, mp)
   seconds, prefill, iters = 0.0, 0.0, 0
   for w in range(waves):
     wave = lengths[order[w::waves]]
     b = len(wave)
-    ecfg = EngineConfig(batch=b, prompt_len=workload.prompt_len, max_new=n_max,
-                        draft_len=max_k if not adaptive else 0, max_draft_len=max_k,
-                        adaptive=adaptive and speculative, min_bucket=min(min_bucket, b),
-                        segment_overhead_s=eff.segment_overhead_s)
+    ecfg = EngineModelConfig(batch=b, prompt_len=workload.prompt_len, max_new=n_max,
+                             draft_len=max_k if not adaptive else 0, max_draft_len=max_k,
+                             adaptive=adaptive and speculative, min_bucket=min(min_bucket, b),
+                             segment_overhead_s=eff.segment_overhead_s)
     pre = ec.prefill(b, workload.prompt_len, cache, max_k)
-    run = run_engine(ecfg, wave, rates, ec.step, pre)
+    run = simulate_engine(ecfg, wave, rates, ec.step, pre)
     seconds += run.seconds
     prefill += pre
     iters += run.iterations
@@ -229,14 +216,13 @@ def logprob_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
 
 
 def train_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
-               workload: Workload, online_draft: bool = False, ttt_steps: int = 3) -> float:
-  """Forward + backward (3x forward FLOPs) over all tokens; online EAGLE-3 adaptation adds the
-  head's forward + backward for each of its `ttt_steps` unrolled steps."""
+               workload: Workload, online_drafter: DrafterCost = NO_DRAFT,
+               ttt_steps: int = 3) -> float:
+  """Forward + backward (3x forward FLOPs) over all tokens, plus the online adaptation of
+  `online_drafter` over the same tokens (`online_train_flops`; none for most drafters)."""
   flops = 3.0 * _forward_flops(model, workload)
-  if online_draft:
-    head = cost.eagle3_net(model)
-    tokens = float((workload.prompt_len + _all_lengths(workload)).sum())
-    flops += ttt_steps * 3.0 * head.flops_per_token() * tokens
+  tokens = float((workload.prompt_len + _all_lengths(workload)).sum())
+  flops += online_drafter.online_train_flops(model, tokens, ttt_steps)
   # forward + backward exchange tokens twice as often as a forward (dispatch/combine and their
   # gradients)
   return flops / (gpus * hw.flops * eff.mfu) + all_to_all_time(model, hw, eff, gpus, workload,

@@ -10,13 +10,9 @@ from typing import Sequence
 import numpy as np
 
 from specjax.sim.catalog import MODELS
+from specjax.sim.drafters import EAGLE3, NO_DRAFT, drafter_for_kind
 from specjax.sim.simulate import Scenario, compare
 from specjax.sim.workload import Workload
-
-# specjax draft kinds (--rl.draft.kind) -> simulator drafters
-DRAFT_KINDS = {"eagle3": "eagle3", "mtp": "mtp", "draft-model": "draft-model",
-               "draft_model": "draft-model", "ngram": "ngram", "group-ngram": "ngram",
-               "group_ngram": "ngram", "none": "none"}
 
 
 def _closest_model(params: float) -> str:
@@ -25,7 +21,7 @@ def _closest_model(params: float) -> str:
 
 
 def project_scaled(*, batch: int, completion_lengths: Sequence[float] | float,
-                   acceptance_length: float, draft_kind: str = "eagle3", draft_len: int = 3,
+                   acceptance_length: float, draft_kind: str = EAGLE3.name, draft_len: int = 3,
                    model: str | None = "qwen3-8b", params: float | None = None,
                    hardware: str = "h100", gpus: int = 8, prompt_len: int = 256,
                    max_new: int | None = None, group_size: int = 1, mode: str = "sync",
@@ -39,9 +35,7 @@ def project_scaled(*, batch: int, completion_lengths: Sequence[float] | float,
   kind (eagle3, mtp, draft-model, ngram, group-ngram, none); model: a catalog name, or None
   with `params` (the closest Qwen3 dense model). engine: 'specjax' (static buckets) or 'vllm'.
   """
-  if draft_kind not in DRAFT_KINDS:
-    raise ValueError(f"project_scaled.draft_kind: must be one of {sorted(DRAFT_KINDS)}, got "
-                     f"{draft_kind!r}")
+  drafter = drafter_for_kind(draft_kind, "project_scaled.draft_kind")
   if batch < 1:
     raise ValueError(f"project_scaled.batch: must be >= 1, got {batch}")
   if group_size < 1 or batch % group_size:
@@ -59,18 +53,17 @@ def project_scaled(*, batch: int, completion_lengths: Sequence[float] | float,
   if lengths.size > 1 and lengths.std() > 0:
     logs = np.log(lengths)
     sigma = float(np.clip(logs.std(), 0.05, 2.0))
-  drafter = DRAFT_KINDS[draft_kind]
-  k = draft_len if drafter != "none" else 0
+  k = draft_len if drafter.speculative else 0
   acc = float(np.clip(acceptance_length, 1.0, k + 1)) if k else None
   w = Workload(name="scaled", prompts=batch // group_size, samples=group_size,
                prompt_len=prompt_len, mean_response_len=max(mean, 1.0), max_response_len=cap,
                length_sigma=sigma, acceptance_at=max(k, 1))
   s = Scenario(model=model, hardware=hardware, gpus=gpus, mode=mode, policy_lag=policy_lag,
-               drafter=drafter if k else "none", draft_len=k, acceptance_length=acc,
+               drafter=(drafter if k else NO_DRAFT).name, draft_len=k, acceptance_length=acc,
                workload=w, engine=engine, adaptive=adaptive and engine == "specjax" and k > 0)
   c = compare(s)
   return {"model": model, "hardware": hardware, "gpus": gpus, "mode": mode, "engine": engine,
-          "drafter": drafter, "draft_len": k, "acceptance_length": c.spec.acceptance_length,
+          "drafter": drafter.name, "draft_len": k, "acceptance_length": c.spec.acceptance_length,
           "batch": batch, "mean_completion_len": mean, "max_completion_len": cap,
           "length_sigma": sigma,
           "ar_gen_s": c.ar.gen, "spec_gen_s": c.spec.gen, "ar_step_s": c.ar.step,

@@ -14,6 +14,7 @@ import numpy as np
 from specjax.sim import phases
 from specjax.sim.catalog import get_hardware, get_model
 from specjax.sim.cost import Efficiency, auto_model_parallel
+from specjax.sim.drafters import EAGLE3, NO_DRAFT, DrafterCost, get_drafter_cost
 from specjax.sim.factors import efficiency_for
 from specjax.sim.workload import Workload, get_workload
 
@@ -37,7 +38,7 @@ class Scenario:
   mode: str = "sync"
   policy_lag: int = 1  # async: rollouts of up to `policy_lag` steps are in flight
   gen_fraction: float | None = None  # async: share of GPUs generating; None = best split
-  drafter: str = "eagle3"
+  drafter: str = EAGLE3.name  # a name in drafters.DRAFTER_COSTS
   draft_len: int = 3
   acceptance_length: float | None = None  # None = workload's (rescaled to draft_len)
   draft_model: str = "qwen3-0.6b"
@@ -50,6 +51,7 @@ class Scenario:
   engine: str = "vllm"
   adaptive: bool = False  # specjax engine: K per bucket in [0, draft_len] by measured cost
   min_bucket: int = 8  # specjax engine: smallest live-batch bucket
+  drafter_cost: DrafterCost = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
     get_model(self.model), get_hardware(self.hardware)
@@ -58,8 +60,7 @@ class Scenario:
     _check(self.policy_lag >= 1, "policy_lag", f"must be >= 1, got {self.policy_lag}")
     _check(self.gen_fraction is None or 0 < self.gen_fraction < 1, "gen_fraction",
            f"must be in (0, 1), got {self.gen_fraction}")
-    _check(self.drafter in phases.DRAFTERS, "drafter",
-           f"must be one of {phases.DRAFTERS}, got {self.drafter!r}")
+    object.__setattr__(self, "drafter_cost", get_drafter_cost(self.drafter, "Scenario.drafter"))
     _check(0 <= self.draft_len <= 16, "draft_len", f"must be in [0, 16], got {self.draft_len}")
     if self.acceptance_length is not None:
       _check(1.0 <= self.acceptance_length <= self.draft_len + 1, "acceptance_length",
@@ -67,7 +68,7 @@ class Scenario:
              f"{self.acceptance_length}")
     _check(0 < self.memory_fraction <= 1, "memory_fraction",
            f"must be in (0, 1], got {self.memory_fraction}")
-    if self.drafter == "draft-model":
+    if self.drafter_cost.needs_draft_model:
       get_model(self.draft_model)
     _check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
     _check(not self.adaptive or self.engine == "specjax", "adaptive",
@@ -83,7 +84,7 @@ class Scenario:
 
   @property
   def speculative(self) -> bool:
-    return self.drafter != "none" and self.draft_len > 0
+    return self.drafter_cost.speculative and self.draft_len > 0
 
   def resolved_acceptance(self) -> float:
     """Acceptance length at `draft_len`: given, or the workload's per-position model."""
@@ -92,8 +93,7 @@ class Scenario:
     if self.acceptance_length is not None:
       return self.acceptance_length
     w = self.workload
-    base = w.ngram_acceptance_length if self.drafter == "ngram" else w.acceptance_length
-    return w.acceptance_at_len(self.draft_len, base)
+    return w.acceptance_at_len(self.draft_len, self.drafter_cost.workload_acceptance(w))
 
   def min_mp(self) -> int:
     return auto_model_parallel(get_model(self.model), get_hardware(self.hardware))
@@ -127,9 +127,10 @@ class StepResult:
 def _gen(s: Scenario, gpus: int, mp: int, rows_per_replica: int | None = None
          ) -> phases.GenResult:
   model, hw = get_model(s.model), get_hardware(s.hardware)
-  kw = dict(mp=mp, drafter=s.drafter if s.speculative else "none", draft_len=s.draft_len,
+  d = s.drafter_cost
+  kw = dict(mp=mp, drafter=d if s.speculative else NO_DRAFT, draft_len=s.draft_len,
             acceptance_length=s.resolved_acceptance(),
-            draft_model=get_model(s.draft_model) if s.drafter == "draft-model" else None,
+            draft_model=get_model(s.draft_model) if d.needs_draft_model else None,
             rows_per_replica=rows_per_replica, memory_fraction=s.memory_fraction)
   if s.engine == "specjax":
     return phases.generation_specjax(model, hw, s.eff, gpus, s.workload, adaptive=s.adaptive,
@@ -140,8 +141,9 @@ def _gen(s: Scenario, gpus: int, mp: int, rows_per_replica: int | None = None
 def _learner(s: Scenario, gpus: int) -> tuple[float, float]:
   model, hw = get_model(s.model), get_hardware(s.hardware)
   lp = phases.logprob_time(model, hw, s.eff, gpus, s.workload, s.reference_logprob)
+  online = s.online_draft and s.speculative
   tr = phases.train_time(model, hw, s.eff, gpus, s.workload,
-                         online_draft=s.online_draft and s.speculative and s.drafter == "eagle3")
+                         online_drafter=s.drafter_cost if online else NO_DRAFT)
   return lp, tr
 
 
@@ -223,7 +225,7 @@ def resolve_mp(s: Scenario) -> int:
 
 
 def simulate_step(s: Scenario) -> StepResult:
-  """One RL step of `s` (speculative iff s.drafter != 'none' and s.draft_len > 0)."""
+  """One RL step of `s` (speculative iff `s.speculative`: a drafter and s.draft_len > 0)."""
   mp = resolve_mp(s)
   return _sync(s, mp) if s.mode == "sync" else _best_async(s, mp)
 
@@ -255,4 +257,4 @@ class Comparison:
 def compare(s: Scenario) -> Comparison:
   """The same step with AR rollouts and with speculative rollouts (each picks its own best
   async split)."""
-  return Comparison(s, simulate_step(s.replace(drafter="none")), simulate_step(s))
+  return Comparison(s, simulate_step(s.replace(drafter=NO_DRAFT.name)), simulate_step(s))
