@@ -1,5 +1,9 @@
 """Config helpers shared by every config tree: field checks whose errors name the field, dataclasses
 built from nested dicts, and loading one tree from defaults <- a YAML file <- dotted CLI flags (tyro).
+
+A dataclass whose tree lost a field to a new place lists it in a `MOVED_FIELDS` class attribute
+({old dotted path: new dotted path}, relative to itself): a YAML key or CLI flag at the old path is
+then refused with a message that names the new one, not as merely unknown.
 """
 
 from __future__ import annotations
@@ -114,6 +118,49 @@ def merge(base: dict, over: dict, where: str) -> dict:
   return out
 
 
+def moved_fields(cls: type, prefix: str = "") -> dict[str, str]:
+  """{old dotted path: new dotted path} of every field moved in the tree of dataclass `cls` (each
+  dataclass's `MOVED_FIELDS`, its paths prefixed by where that dataclass sits)."""
+  moved = {prefix + old: prefix + new for old, new in getattr(cls, "MOVED_FIELDS", {}).items()}
+  hints = typing.get_type_hints(cls)
+  for f in dataclasses.fields(cls):
+    if dataclasses.is_dataclass(hints[f.name]):
+      moved.update(moved_fields(hints[f.name], f"{prefix}{f.name}."))
+  return moved
+
+
+def _refuse_moved_keys(cls: type, data: Any, where: str) -> None:
+  """A ValueError naming the new path of the first moved field that `data` (nested dicts) sets."""
+  for old, new in moved_fields(cls).items():
+    node = data
+    for part in old.split("."):
+      if not isinstance(node, dict) or part not in node:
+        break
+      node = node[part]
+    else:
+      raise ValueError(f"{where}.{old}: moved to {new}")
+
+
+def _refuse_moved_flags(cls: type, args: Sequence[str]) -> None:
+  """Exit, naming the new flag, on the first flag at a moved field's old path; tyro would refuse
+  it too, but only as unrecognized. Flags are dotted, hyphenated paths; a bool's negation puts
+  `no-` before its last part (`--rl.draft.no-online`)."""
+  moved = moved_fields(cls)
+  if not moved:
+    return
+  for arg in args:
+    if not arg.startswith("--"):
+      continue
+    flag = arg[2:].split("=", 1)[0]
+    *head, last = flag.replace("-", "_").split(".")
+    negated = last.startswith("no_") and ".".join(head + [last]) not in moved
+    path = ".".join(head + [last[3:] if negated else last])
+    if path in moved:
+      *new_head, new_last = moved[path].replace("_", "-").split(".")
+      new = ".".join(new_head + [("no-" if negated else "") + new_last])
+      raise SystemExit(f"--{flag}: moved to --{new}")
+
+
 def apply_yaml(cfg: T, yaml_path: str, where: str | None = None) -> T:
   """`cfg` with the values of a YAML file nested like its dataclasses."""
   import yaml
@@ -125,6 +172,7 @@ def apply_yaml(cfg: T, yaml_path: str, where: str | None = None) -> T:
       raise ValueError(f"{yaml_path}: not valid YAML ({e})") from None
   cls = type(cfg)
   where = where or f"{yaml_path}: {cls.__name__}"
+  _refuse_moved_keys(cls, data, where)
   try:
     return from_dict(cls, merge(dataclasses.asdict(cfg), data, where), where)
   except ValueError as e:  # a range check in __post_init__ names the field, not the file
@@ -137,6 +185,7 @@ def apply_cli(cfg: T, args: Sequence[str], **tyro_kw: Any) -> T:
   """`cfg` with dotted CLI flags (tyro: `--grpo.group-size 8`) applied."""
   import tyro
 
+  _refuse_moved_flags(type(cfg), args)
   return tyro.cli(type(cfg), default=cfg, args=list(args), **tyro_kw)
 
 

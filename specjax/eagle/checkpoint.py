@@ -130,7 +130,7 @@ def eagle3_aux_layers(path: str, num_layers: int) -> tuple[int, ...] | None:
 def _head_target(hc: dict, target_cfg: ModelConfig, file: str) -> ModelConfig:
   """The ModelConfig the head's layer is built from: the target's, with the head's own attention,
   MLP, RoPE and norm shapes from its config.json (a Llama layer: no q/k norm)."""
-  from specjax.models.hf import _rope
+  from specjax.models.hf_config import rope_from_hf
 
   def need(cond, msg):
     if not cond:
@@ -149,7 +149,7 @@ def _head_target(hc: dict, target_cfg: ModelConfig, file: str) -> ModelConfig:
        "use_aux_hidden_state=false (an EAGLE-1/2 style head) is not supported")
   for name, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
     need(hc.get(name, want) == want, f"{name}={hc.get(name)!r} is not supported (needs {want!r})")
-  theta, scaling = _rope(hc, file)
+  theta, scaling = rope_from_hf(hc, file)
   heads = int(hc["num_attention_heads"])
   aux = eagle3_aux_layers(os.path.dirname(file), target_cfg.num_layers)
   if aux is not None and aux != target_cfg.aux_layer_ids:

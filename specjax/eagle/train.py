@@ -1,7 +1,7 @@
 """Offline initialisation of the EAGLE-3 head: target rollouts on a prompt set, then TTT training.
 
 The prompt set decides the draft's domain: the RL task's prompts (in-domain) or any other set
-("general"). Optimiser: AdamW with global-norm clipping and a warmup + cosine schedule.
+("general"). Optimiser: `specjax.optim`'s, warmup (`default_warmup` unless set) + cosine.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from specjax.config_tree import check
 from specjax.eagle.head import Eagle3Head, init_head
 from specjax.eagle.ttt import ttt_loss
 from specjax.eagle.vocab import VocabMaps, build_vocab_maps_from_tokens
+from specjax.optim import check_trainer_fields, trainer_transform
 from specjax.sampling.ar import generate
 from specjax.sampling.core import SamplingConfig, split_model
 
@@ -28,9 +29,9 @@ from specjax.sampling.core import SamplingConfig, split_model
 class DraftTrainConfig:
   steps: int = 300
   batch_size: int = 16
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-  final_lr_ratio: float = 0.1  # cosine decays to learning_rate * final_lr_ratio
+  lr: float = 3e-3
+  warmup_steps: int | None = None  # None: specjax.optim.default_warmup(steps)
+  final_lr_ratio: float = 0.1  # cosine decays to lr * final_lr_ratio
   weight_decay: float = 0.0
   clip_norm: float = 1.0
   ttt_steps: int = 3
@@ -42,7 +43,7 @@ class DraftTrainConfig:
 
   def __post_init__(self):
     w = "DraftTrainConfig"
-    check_optimizer_fields(self, w)
+    check_trainer_fields(self, w)
     check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
     check(0 < self.step_decay <= 1, f"{w}.step_decay", f"must lie in (0, 1], got {self.step_decay}")
     check(self.draft_vocab is None or self.draft_vocab >= 1, f"{w}.draft_vocab",
@@ -50,27 +51,6 @@ class DraftTrainConfig:
     check(self.samples_per_prompt >= 1, f"{w}.samples_per_prompt",
           f"must be >= 1, got {self.samples_per_prompt}")
     check(self.rollout_batch >= 1, f"{w}.rollout_batch", f"must be >= 1, got {self.rollout_batch}")
-
-
-def check_optimizer_fields(cfg, where: str) -> None:
-  """Validate the fields `make_optimizer` reads (and `steps`, `batch_size`) of a training config."""
-  check(cfg.steps >= 1, f"{where}.steps", f"must be >= 1, got {cfg.steps}")
-  check(cfg.batch_size >= 1, f"{where}.batch_size", f"must be >= 1, got {cfg.batch_size}")
-  check(cfg.learning_rate > 0, f"{where}.learning_rate", f"must be > 0, got {cfg.learning_rate}")
-  check(0 <= cfg.warmup_steps < cfg.steps, f"{where}.warmup_steps",
-        f"must lie in [0, steps={cfg.steps}), got {cfg.warmup_steps}")
-  check(0 <= cfg.final_lr_ratio <= 1, f"{where}.final_lr_ratio",
-        f"must lie in [0, 1], got {cfg.final_lr_ratio}")
-  check(cfg.weight_decay >= 0, f"{where}.weight_decay", f"must be >= 0, got {cfg.weight_decay}")
-  check(cfg.clip_norm > 0, f"{where}.clip_norm", f"must be > 0, got {cfg.clip_norm}")
-
-
-def make_optimizer(cfg: DraftTrainConfig) -> optax.GradientTransformation:
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-      decay_steps=cfg.steps, end_value=cfg.learning_rate * cfg.final_lr_ratio)
-  return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                     optax.adamw(schedule, weight_decay=cfg.weight_decay))
 
 
 @dataclasses.dataclass
@@ -116,7 +96,7 @@ def draft_train_step(head_graphdef, target_graphdef, cfg: DraftTrainConfig, head
                     num_steps=cfg.ttt_steps, step_decay=cfg.step_decay)
 
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params)
-  updates, opt_state = make_optimizer(cfg).update(grads, opt_state, head_params)
+  updates, opt_state = trainer_transform(cfg).update(grads, opt_state, head_params)
   grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
   metrics = dict(metrics, grad_norm=grad_norm)
   return optax.apply_updates(head_params, updates), opt_state, metrics
@@ -163,7 +143,7 @@ def train_draft_head(target, prompts=None, prompt_lengths=None, *,
     raise ValueError(f"train_draft_head: head has {head.cfg.draft_vocab} draft ids, maps "
                      f"{maps.draft_vocab}")
   head_graphdef, head_params = nnx.split(head)
-  opt_state = make_optimizer(config).init(head_params)
+  opt_state = trainer_transform(config).init(head_params)
   rng = np.random.default_rng(config.seed)
   m = rollouts.tokens.shape[0]
   history = []

@@ -1,13 +1,19 @@
 """GRPO with speculative rollouts: config, loss, the SPMD train step, the sync loop, checkpoints,
 metrics and tasks (async RL in `specjax.rl.async_rl`). Names below are imported lazily
-(`from specjax.rl import run_rl`)."""
+(`from specjax.rl import run_rl`).
+
+RL reads draft methods by name (`DraftConfig.kind`), so the package registers every built-in one
+on import: `specjax.sampling` its own, `specjax.eagle` (which sits above sampling) eagle3 and mtp.
+"""
 
 import importlib
 
+import specjax.eagle  # noqa: F401  (registers the eagle3 and mtp draft methods)
+
 _EXPORTS = {
-    "RLConfig": "config", "GRPOConfig": "config", "OptimConfig": "config", "DraftConfig": "config",
-    "RolloutConfig": "config", "TaskConfig": "config", "ValidationConfig": "config",
-    "CheckpointConfig": "config", "load_config": "config",
+    "RLConfig": "config", "DraftConfig": "config", "RolloutConfig": "config",
+    "TrainConfig": "config", "TaskConfig": "config", "ValidationConfig": "config",
+    "CheckpointConfig": "config", "load_config": "config", "GRPOConfig": "grpo",
     "group_advantages": "grpo", "grpo_loss": "grpo", "register_advantage": "grpo",
     "ADVANTAGES": "grpo",
     "Trainer": "train_step", "TrainStepConfig": "train_step", "TrainBatch": "train_step",

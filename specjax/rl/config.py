@@ -7,78 +7,26 @@ flags (tyro, e.g. `--grpo.group-size 8`) override the YAML.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import ClassVar, Sequence
 
-import specjax.eagle  # noqa: F401  (registers the eagle3 and mtp draft methods)
 from specjax.config_tree import check as _check, load, one_of as _one_of
 from specjax.models.config import ModelConfig
-from specjax.rl.grpo import ADVANTAGES, LOSS_AGGS
+from specjax.optim import OptimConfig
+from specjax.rl.grpo import GRPOConfig
+from specjax.sampling.engine_config import EngineConfig
 from specjax.sampling.methods import DraftMethod, get_method, method_names
 from specjax.sharding.mesh import MeshConfig
 
-SCHEDULES = ("constant", "cosine", "linear")
-
-
-@dataclasses.dataclass(frozen=True)
-class GRPOConfig:
-  group_size: int = 8  # G samples per prompt
-  clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher)
-  clip_high: float = 0.28
-  beta: float = 0.0  # k3 KL coefficient to the frozen reference; 0 skips the reference forward
-  adv_mode: str = "grpo"  # grpo: (r - mean) / (std + eps); drgrpo: r - mean; loo: leave-one-out
-  loss_agg: str = "token-mean"
-  adv_eps: float = 1e-6
-
-  def __post_init__(self):
-    w = "GRPOConfig"
-    _check(self.group_size >= 1, f"{w}.group_size", f"must be >= 1, got {self.group_size}")
-    _one_of(self.adv_mode, ADVANTAGES, f"{w}.adv_mode")
-    need = ADVANTAGES[self.adv_mode].min_group_size
-    _check(self.group_size >= need, f"{w}.group_size",
-           f"adv_mode={self.adv_mode!r} needs group_size >= {need}, got {self.group_size}")
-    _check(0 <= self.clip_low < 1, f"{w}.clip_low", f"must be in [0, 1), got {self.clip_low}")
-    _check(self.clip_high >= 0, f"{w}.clip_high", f"must be >= 0, got {self.clip_high}")
-    _check(self.beta >= 0, f"{w}.beta", f"must be >= 0, got {self.beta}")
-    _check(self.adv_eps > 0, f"{w}.adv_eps", f"must be > 0, got {self.adv_eps}")
-    _one_of(self.loss_agg, LOSS_AGGS, f"{w}.loss_agg")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-  """AdamW with warmup + schedule and global-norm clipping (one per parameter group)."""
-
-  lr: float = 1e-6
-  warmup_steps: int = 0
-  schedule: str = "constant"
-  decay_steps: int = 0  # steps of the cosine/linear decay after warmup; 0 -> RLConfig.steps
-  final_lr_ratio: float = 0.0
-  clip_norm: float = 1.0  # 0 disables clipping
-  weight_decay: float = 0.0
-  b1: float = 0.9
-  b2: float = 0.999
-  eps: float = 1e-8
-
-  def __post_init__(self):
-    w = "OptimConfig"
-    _check(self.lr >= 0, f"{w}.lr", f"must be >= 0, got {self.lr}")
-    _check(self.warmup_steps >= 0, f"{w}.warmup_steps", f"must be >= 0, got {self.warmup_steps}")
-    _check(self.decay_steps >= 0, f"{w}.decay_steps", f"must be >= 0, got {self.decay_steps}")
-    _check(0 <= self.final_lr_ratio <= 1, f"{w}.final_lr_ratio",
-           f"must be in [0, 1], got {self.final_lr_ratio}")
-    _check(self.clip_norm >= 0, f"{w}.clip_norm", f"must be >= 0, got {self.clip_norm}")
-    _check(self.weight_decay >= 0, f"{w}.weight_decay", f"must be >= 0, got {self.weight_decay}")
-    _check(0 <= self.b1 < 1, f"{w}.b1", f"must be in [0, 1), got {self.b1}")
-    _check(0 <= self.b2 < 1, f"{w}.b2", f"must be in [0, 1), got {self.b2}")
-    _check(self.eps > 0, f"{w}.eps", f"must be > 0, got {self.eps}")
-    _one_of(self.schedule, SCHEDULES, f"{w}.schedule")
+# the rollout engine's defaults have one home (EngineConfig); the RL config reads them from there
+_ENGINE = EngineConfig()
 
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
   kind: str = "none"
   draft_len: int = 3  # K, tokens proposed per speculative step (adaptive: the largest K)
-  adaptive: bool = True  # the engine picks K in 0..max_draft_len per live-batch bucket
-  max_draft_len: int = 0  # adaptive: largest K; 0 -> draft_len
+  adaptive: bool = _ENGINE.adaptive  # the engine picks K in 0..max_draft_len per live-batch bucket
+  max_draft_len: int = _ENGINE.max_draft_len  # adaptive: largest K; 0 -> draft_len
   online: bool = False  # train the draft inside the RL train step; kinds without an online loss
   # (all but eagle3, mtp) have nothing to train and read it as False
   loss_weight: float = 1.0  # lambda in  loss = GRPO + lambda * draft loss
@@ -122,34 +70,12 @@ class RolloutConfig:
   # else each batch's longest prompt rounded up to 32 (set it for datasets: fewer compilations)
   max_prompt_len: int = 0
   gen_dtype: str = ""  # "" -> the policy's own dtype (colocated: the very same arrays)
-  train_temperature: bool = True  # trainer logprobs use logits / temperature, like the sampler
   # the rollout engine: gather live rows into power-of-two buckets as rows finish; optionally
   # attend over the live prefix only (window_block * 2^j positions; 0 reads the whole cache;
   # every window is one more compiled program per bucket and K)
-  compaction: bool = True
-  min_bucket: int = 1
-  window_block: int = 0
-  # the train batch is cut to its longest row (prompt + completion) rounded up to
-  # train_width_block * 2^j tokens (while that saves a quarter of the full prompt +
-  # max_new_tokens width), not the full width: long-tailed completions train at the width they
-  # use. The first step compiles the train step at every width; 0 trains at the full width.
-  # Used only when the batch is not packed (below)
-  train_width_block: int = 64
-  # sequence packing: the train step lays the rollouts' sequences end to end in rows of
-  # train_pack_width positions (0: prompt + max_new_tokens), each attending only to itself, and
-  # sums the gradients of micro-batches of train_pack_rows rows (rounded up to a multiple of the
-  # data-parallel size) before one update: it computes on about as many positions as there are
-  # tokens, with one compiled program for every batch. Not with an online draft loss (its head
-  # reads one sequence per row): that trains on the batch cut to its longest row
-  train_packing: bool = True
-  train_pack_width: int = 0  # positions per packed row (0: prompt + max_new_tokens)
-  train_pack_rows: int = 1  # packed rows per micro-batch (rounded up to the data-parallel size)
-  # the packed train step leaves out the sequences whose every advantage is exactly 0 (a GRPO
-  # group whose samples all scored the same) when nothing else in the loss reads them (beta ==
-  # 0): their gradient is exactly zero and the loss keeps the whole batch's denominators, so the
-  # update is the same up to float summation order. Token-mean metrics (entropy, ratios, clip
-  # fractions, sampler mismatch) are then over the sequences trained on
-  train_skip_zero_advantage: bool = True
+  compaction: bool = _ENGINE.compaction
+  min_bucket: int = _ENGINE.min_bucket
+  window_block: int = _ENGINE.window_block
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -161,12 +87,45 @@ class RolloutConfig:
     _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
     _check(self.min_bucket >= 1, f"{w}.min_bucket", f"must be >= 1, got {self.min_bucket}")
     _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
-    _check(self.train_width_block >= 0, f"{w}.train_width_block",
-           f"must be >= 0 (0: the full width), got {self.train_width_block}")
-    _check(self.train_pack_width >= 0, f"{w}.train_pack_width",
-           f"must be >= 0 (0: prompt + max_new_tokens), got {self.train_pack_width}")
-    _check(self.train_pack_rows >= 1, f"{w}.train_pack_rows",
-           f"must be >= 1, got {self.train_pack_rows}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """How the train step reads a rollout batch: its layout (packed rows or a cut width), which
+  sequences it leaves out and the temperature of its logprobs (the optimizers: `RLConfig`)."""
+
+  # the trainer's logprobs use logits / RolloutConfig.temperature, like the sampler's (else the
+  # logits as they are)
+  temperature: bool = True
+  # the train batch is cut to its longest row (prompt + completion) rounded up to
+  # width_block * 2^j tokens (while that saves a quarter of the full prompt + max_new_tokens
+  # width), not the full width: long-tailed completions train at the width they use. The first
+  # step compiles the train step at every width; 0 trains at the full width. Used only when the
+  # batch is not packed (below)
+  width_block: int = 64
+  # sequence packing: the train step lays the rollouts' sequences end to end in rows of
+  # pack_width positions (0: prompt + max_new_tokens), each attending only to itself, and sums
+  # the gradients of micro-batches of pack_rows rows (rounded up to a multiple of the
+  # data-parallel size) before one update: it computes on about as many positions as there are
+  # tokens, with one compiled program for every batch. Not with an online draft loss (its head
+  # reads one sequence per row): that trains on the batch cut to its longest row
+  packing: bool = True
+  pack_width: int = 0  # positions per packed row (0: prompt + max_new_tokens)
+  pack_rows: int = 1  # packed rows per micro-batch (rounded up to the data-parallel size)
+  # the packed train step leaves out the sequences whose every advantage is exactly 0 (a GRPO
+  # group whose samples all scored the same) when nothing else in the loss reads them (beta ==
+  # 0): their gradient is exactly zero and the loss keeps the whole batch's denominators, so the
+  # update is the same up to float summation order. Token-mean metrics (entropy, ratios, clip
+  # fractions, sampler mismatch) are then over the sequences trained on
+  skip_zero_advantage: bool = True
+
+  def __post_init__(self):
+    w = "TrainConfig"
+    _check(self.width_block >= 0, f"{w}.width_block",
+           f"must be >= 0 (0: the full width), got {self.width_block}")
+    _check(self.pack_width >= 0, f"{w}.pack_width",
+           f"must be >= 0 (0: prompt + max_new_tokens), got {self.pack_width}")
+    _check(self.pack_rows >= 1, f"{w}.pack_rows", f"must be >= 1, got {self.pack_rows}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,12 +191,15 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  model: ModelConfig = ModelConfig()  # for drivers that build the policy; run_rl uses the policy's
+  # the policy's architecture where a driver builds the policy (`specjax.jobs`: --rl.model.*);
+  # run_rl and the trainer read the architecture of the policy they are handed
+  model: ModelConfig = ModelConfig()
   grpo: GRPOConfig = GRPOConfig()
   policy_optim: OptimConfig = OptimConfig()
   draft_optim: OptimConfig = OptimConfig(lr=1e-4)
   draft: DraftConfig = DraftConfig()
   rollout: RolloutConfig = RolloutConfig()
+  train: TrainConfig = TrainConfig()
   task: TaskConfig = TaskConfig()
   validation: ValidationConfig = ValidationConfig()
   checkpoint: CheckpointConfig = CheckpointConfig()
@@ -255,6 +217,13 @@ class RLConfig:
   log_dir: str = ""  # "" -> <out_dir>
   progress: bool = True
   tensorboard: bool = True
+
+  # old paths of fields that moved, with their new ones: YAML keys and CLI flags that use an old
+  # path fail with a message naming the new one (`specjax.config_tree`)
+  MOVED_FIELDS: ClassVar[dict[str, str]] = {
+      f"rollout.train_{name}": f"train.{name}"
+      for name in ("temperature", "width_block", "packing", "pack_width", "pack_rows",
+                   "skip_zero_advantage")}
 
   def __post_init__(self):
     w = "RLConfig"
@@ -274,14 +243,14 @@ class RLConfig:
 
   @property
   def packs_train_batch(self) -> bool:
-    """The train step packs sequences (RolloutConfig.train_packing, no online draft loss)."""
-    return self.rollout.train_packing and not self.draft.online
+    """The train step packs sequences (TrainConfig.packing, no online draft loss)."""
+    return self.train.packing and not self.draft.online
 
   @property
   def train_cut_block(self) -> int:
-    """`train_width_block` of the batch the loops hand the trainer: 0 (its full width) when
-    packed, so that every packed row has one width."""
-    return 0 if self.packs_train_batch else self.rollout.train_width_block
+    """`TrainConfig.width_block` of the batch the loops hand the trainer: 0 (its full width)
+    when packed, so that every packed row has one width."""
+    return 0 if self.packs_train_batch else self.train.width_block
 
   @property
   def optimizer_steps(self) -> int:

@@ -1,4 +1,5 @@
-"""GRPO: group advantages (GRPO, Dr.GRPO, leave-one-out) and the clipped policy-gradient loss.
+"""GRPO: group advantages (GRPO, Dr.GRPO, leave-one-out), the clipped policy-gradient loss and
+their config (`GRPOConfig`, beside the registries it validates against).
 
 Token arrays are [B, T], one entry per token (the train step aligns them with the sequence);
 `mask` is 1 on the completion tokens the loss covers. Explicit denominators make the losses of
@@ -8,16 +9,14 @@ micro-batches sum to exactly the full-batch loss (gradient accumulation).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from specjax.config_tree import check, one_of
 from specjax.models.chunked import logprob_and_entropy
-
-if TYPE_CHECKING:
-  from specjax.rl.config import GRPOConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +77,33 @@ def group_advantages(rewards: jax.Array, group_size: int, mode: str = "grpo",
 # then over sequences; seq-mean-token-sum-norm (Dr.GRPO): per-sequence sums over a constant length
 LOSS_AGGS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOConfig:
+  """The GRPO loss and its advantages; `adv_mode` and `loss_agg` name the entries of
+  `ADVANTAGES` and `LOSS_AGGS` above."""
+
+  group_size: int = 8  # G samples per prompt
+  clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher)
+  clip_high: float = 0.28
+  beta: float = 0.0  # k3 KL coefficient to the frozen reference; 0 skips the reference forward
+  adv_mode: str = "grpo"  # grpo: (r - mean) / (std + eps); drgrpo: r - mean; loo: leave-one-out
+  loss_agg: str = "token-mean"
+  adv_eps: float = 1e-6
+
+  def __post_init__(self):
+    w = "GRPOConfig"
+    check(self.group_size >= 1, f"{w}.group_size", f"must be >= 1, got {self.group_size}")
+    one_of(self.adv_mode, ADVANTAGES, f"{w}.adv_mode")
+    need = ADVANTAGES[self.adv_mode].min_group_size
+    check(self.group_size >= need, f"{w}.group_size",
+          f"adv_mode={self.adv_mode!r} needs group_size >= {need}, got {self.group_size}")
+    check(0 <= self.clip_low < 1, f"{w}.clip_low", f"must be in [0, 1), got {self.clip_low}")
+    check(self.clip_high >= 0, f"{w}.clip_high", f"must be >= 0, got {self.clip_high}")
+    check(self.beta >= 0, f"{w}.beta", f"must be >= 0, got {self.beta}")
+    check(self.adv_eps > 0, f"{w}.adv_eps", f"must be > 0, got {self.adv_eps}")
+    one_of(self.loss_agg, LOSS_AGGS, f"{w}.loss_agg")
 
 @struct.dataclass
 class LossDenominators:

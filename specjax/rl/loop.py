@@ -8,6 +8,7 @@ held-out prompt set is scored every `cfg.validation.every` steps.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 import warnings
@@ -31,6 +32,8 @@ from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfi
 from specjax.rl.tasks import Task, compute_rewards, make_task
 from specjax.rl.timing import PhaseTimer, format_summary
 from specjax.rl.train_step import Trainer, TrainState
+
+_log = logging.getLogger(__name__)  # (`logger` names the run's MetricsLogger below)
 
 Hook = Callable[[int, dict], None]  # (step, metrics) after every step (metrics incl. validation)
 MAX_ERRORS_LOGGED = 5  # reward-function errors written to the JSONL per step
@@ -90,7 +93,7 @@ def prompt_width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
 def warm_widths(run: RLRun, full: int, width: int, train_at: Callable[[int], Any],
                 timer: PhaseTimer) -> None:
   """Compile the train step at every width a batch of padded width `full` can be cut to
-  (RolloutConfig.train_width_block), other than `width` (this step's): `train_at(w)` runs a
+  (TrainConfig.width_block), other than `width` (this step's): `train_at(w)` runs a
   throw-away step on this step's batch resized to w (timed as phase "warm"). Done once per
   process, in its first step (a step the reports leave out), so no later step compiles."""
   if run.widths_warm:
@@ -390,6 +393,6 @@ def iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, ou
   close_run(cfg, ckpt, logger, save, completed > start, failed=False)
   phases = timer.summary()
   if verbose:
-    print(format_summary(phases))
+    _log.info("%s", format_summary(phases))
   return {"steps": completed, "start_step": start, "final": last, "validation": last_val,
           "phases": phases, "out_dir": out_dir, "metrics_path": logger.path, "state": state}

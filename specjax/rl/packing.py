@@ -29,7 +29,7 @@ def first_fit_rows(extents: np.ndarray, width: int) -> list[list[int]]:
     n = int(extents[i])
     if n > width:
       raise ValueError(f"packing: a sequence of {n} positions (prompt + completion) does not fit "
-                       f"a packed row of {width}; raise RolloutConfig.train_pack_width or set it "
+                       f"a packed row of {width}; raise TrainConfig.pack_width or set it "
                        f"to 0 (the batch's own width)")
     for r, f in enumerate(free):
       if f >= n:

@@ -4,6 +4,7 @@ trains on the training mesh and pushes new weights after every step, within a bo
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from typing import Any, Sequence
@@ -27,6 +28,8 @@ from specjax.rl.tasks import RewardBatch, Task, compute_rewards
 from specjax.rl.timing import PhaseTimer, format_summary
 from specjax.rl.train_step import TrainBatch, Trainer, TrainState
 from specjax.sharding import shard_batch, split_mesh, state_shardings, transfer
+
+_log = logging.getLogger(__name__)  # (`logger` names the run's MetricsLogger below)
 
 WORKER_PHASES = ("data", "gen", "reward")  # timed inside the worker, off the trainer's path
 
@@ -270,7 +273,7 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   close_run(cfg, ckpt, logger, save, completed > start, failed=False)
   phases = timer.summary()
   if verbose:
-    print(format_summary(phases))
+    _log.info("%s", format_summary(phases))
   steps = max(completed - start, 1)
   mean = lambda k: phases["phases"].get(k, {}).get("total_s", 0.0) / steps
   return {"steps": completed, "start_step": start, "final": last, "validation": last_val,
