@@ -1,2 +1,6 @@
-"""The application on top of the library: the AR-vs-speculative experiment driver (base policy,
-offline draft initialisation, the two RL runs), supervised LM (pre)training, and the report."""
+"""The application on top of the library: the AR-vs-speculative RL jobs (config, base policy,
+offline draft initialisation, the two runs), supervised LM (pre)training, and the report."""
+
+from specjax.jobs.console import setup_logging
+
+__all__ = ["setup_logging"]

@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 
 from specjax.config_tree import check
 from specjax.eagle.mtp import masked_cross_entropy, mtp_loss
-from specjax.eagle.train import check_optimizer_fields, make_optimizer
 from specjax.models.decoder import Decoder
+from specjax.optim import check_trainer_fields, trainer_transform
 
 
 def encode_sft(tokenizer, examples: Sequence[str | tuple[str, str]],
@@ -47,16 +47,17 @@ def encode_sft(tokenizer, examples: Sequence[str | tuple[str, str]],
 
 
 def pretrain_lm(model: Decoder, examples: Sequence[str | tuple[str, str]], tokenizer, *,
-                steps: int = 300, batch_size: int = 64, lr: float = 3e-3, warmup_steps: int = 10,
-                weight_decay: float = 0.0, seed: int = 0, mtp_weight: float = 0.3,
-                length_batches: bool = False,
+                steps: int = 300, batch_size: int = 64, lr: float = 3e-3,
+                warmup_steps: int | None = None, weight_decay: float = 0.0, seed: int = 0,
+                mtp_weight: float = 0.3, length_batches: bool = False,
                 progress: bool = False) -> tuple[Decoder, list[dict[str, float]]]:
   """Supervised fine-tuning of `model` on texts or (prompt, completion) pairs; returns the trained
-  decoder (a new module) and the per-step loss history."""
+  decoder (a new module) and the per-step loss history. warmup_steps None:
+  `specjax.optim.default_warmup(steps)`."""
   tokens, mask = encode_sft(tokenizer, examples)
-  cfg = LmTrainConfig(steps=steps, batch_size=batch_size, learning_rate=lr,
-                      warmup_steps=min(warmup_steps, steps - 1), weight_decay=weight_decay,
-                      mtp_weight=mtp_weight, length_batches=length_batches, seed=seed)
+  cfg = LmTrainConfig(steps=steps, batch_size=batch_size, lr=lr, warmup_steps=warmup_steps,
+                      weight_decay=weight_decay, mtp_weight=mtp_weight,
+                      length_batches=length_batches, seed=seed)
   return train_lm(model, tokens, mask, cfg, progress=progress)
 
 
@@ -77,9 +78,9 @@ def lm_mtp_loss(model: Decoder, tokens: jax.Array, loss_mask: jax.Array, *,
 class LmTrainConfig:
   steps: int = 500
   batch_size: int = 32
-  learning_rate: float = 3e-3
-  warmup_steps: int = 20
-  final_lr_ratio: float = 0.1
+  lr: float = 3e-3
+  warmup_steps: int | None = None  # None: specjax.optim.default_warmup(steps)
+  final_lr_ratio: float = 0.1  # cosine decays to lr * final_lr_ratio
   weight_decay: float = 0.0
   clip_norm: float = 1.0
   mtp_weight: float = 0.3  # joint training; ignored with mtp_only
@@ -91,7 +92,7 @@ class LmTrainConfig:
 
   def __post_init__(self):
     w = "LmTrainConfig"
-    check_optimizer_fields(self, w)
+    check_trainer_fields(self, w)
     check(self.mtp_weight >= 0, f"{w}.mtp_weight", f"must be >= 0, got {self.mtp_weight}")
 
 
@@ -106,7 +107,7 @@ def lm_train_step(graphdef, cfg: LmTrainConfig, trained, frozen, opt_state, toke
     return lm_mtp_loss(model, tokens, loss_mask, mtp_weight=cfg.mtp_weight)
 
   (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(trained)
-  updates, opt_state = make_optimizer(cfg).update(grads, opt_state, trained)
+  updates, opt_state = trainer_transform(cfg).update(grads, opt_state, trained)
   return optax.apply_updates(trained, updates), opt_state, dict(metrics, loss=loss)
 
 
@@ -138,7 +139,7 @@ def train_lm(model: Decoder, tokens, loss_mask, cfg: LmTrainConfig = LmTrainConf
     raise ValueError("train_lm: mtp_only needs a decoder with an MTP module (ModelConfig.mtp)")
   which = nnx.PathContains("mtp") if cfg.mtp_only else nnx.Param
   graphdef, trained, frozen = nnx.split(model, which, ...)
-  opt_state = make_optimizer(cfg).init(trained)
+  opt_state = trainer_transform(cfg).init(trained)
   tokens, loss_mask = np.asarray(tokens, np.int32), np.asarray(loss_mask, bool)
   rng = np.random.default_rng(cfg.seed)
   by_length = np.argsort(_row_lengths(loss_mask), kind="stable")

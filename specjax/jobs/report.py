@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from typing import Any
@@ -16,6 +17,8 @@ from typing import Any
 import numpy as np
 
 from specjax.rl.metrics_log import read_metrics
+
+logger = logging.getLogger(__name__)
 
 PHASE_ORDER = ("data", "prepare", "gen", "reward", "logprob", "train")
 
@@ -230,8 +233,8 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
   with open(tmp, "w") as f:
     json.dump(summary, f, indent=2, default=float)
   os.replace(tmp, path)
-  print(format_table(summary))
-  print(f"report: {path}")
+  logger.info(format_table(summary))
+  logger.info(f"report: {path}")
   return summary
 
 

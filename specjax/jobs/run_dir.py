@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import shutil
 import time
 from typing import Any, Callable
 
 from specjax.config_tree import check
+
+logger = logging.getLogger(__name__)
 
 
 def check_flags(cfg: Any) -> None:
@@ -60,7 +63,7 @@ class Replacement:
   starts writing, and deleted only once it has finished; on a failure they stay, named in the
   error log, so nothing is lost."""
 
-  def __init__(self, paths: list[str], log: Callable[[str], None] = print):
+  def __init__(self, paths: list[str], log: Callable[[str], None] = logger.info):
     self.log = log
     self.moved: list[tuple[str, str]] = []
     stamp = time.strftime("%Y%m%d-%H%M%S")
