@@ -19,101 +19,16 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from specjax.models.config import DTYPES, ModelConfig, RopeScaling
+from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.decoder import Decoder, MTPModule
+from specjax.models.hf_config import config_from_hf, config_to_hf
 from specjax.models.tokenizer import CHAT_TEMPLATE_FILES, HFTokenizer
 
-# architecture -> (model_type, whether the family normalises q and k per head)
-ARCHITECTURES = {"Qwen3ForCausalLM": ("qwen3", True), "LlamaForCausalLM": ("llama", False)}
-MODEL_TYPES = {mt: (arch, qk) for arch, (mt, qk) in ARCHITECTURES.items()}
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "added_tokens.json") + CHAT_TEMPLATE_FILES[:2]
 Array = np.ndarray
-
-
-# -- config ---------------------------------------------------------------------------------------
-
-def _read_config(path_or_dict) -> tuple[dict, str]:
-  if isinstance(path_or_dict, dict):
-    return path_or_dict, "config.json (dict)"
-  file = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
-  if not os.path.exists(file):
-    raise FileNotFoundError(f"Hugging Face import: {file} does not exist")
-  with open(file) as f:
-    return json.load(f), file
-
-
-def _rope(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
-  """RoPE theta and scaling from either layout: transformers >= 5 writes `rope_parameters`,
-  older checkpoints `rope_theta` + `rope_scaling`."""
-  params = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-  theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-  kind = params.get("rope_type", params.get("type", "default"))
-  if kind == "default":
-    return theta, None
-  if kind != "llama3":
-    raise ValueError(f"{source}: RoPE type {kind!r} is not supported (supported: default, llama3)")
-  return theta, RopeScaling(factor=float(params["factor"]),
-                            low_freq_factor=float(params["low_freq_factor"]),
-                            high_freq_factor=float(params["high_freq_factor"]),
-                            original_max_position=int(params["original_max_position_embeddings"]))
-
-
-def config_from_hf(path_or_dict, **overrides) -> ModelConfig:
-  """ModelConfig of a Qwen3 or Llama checkpoint: a directory, its config.json, or the parsed dict.
-  `overrides` replace ModelConfig fields (dtype, param_dtype, aux_layers, mtp, ...)."""
-  hf, source = _read_config(path_or_dict)
-  archs = hf.get("architectures") or []
-  arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"), (None,))[0]
-  if arch not in ARCHITECTURES:
-    raise ValueError(f"{source}: unsupported architecture {archs or None} (model_type "
-                     f"{hf.get('model_type')!r}); supported: {sorted(ARCHITECTURES)}")
-  unsupported = {"hidden_act": ("silu", hf.get("hidden_act", "silu")),
-                 "attention_bias": (False, bool(hf.get("attention_bias", False))),
-                 "mlp_bias": (False, bool(hf.get("mlp_bias", False))),
-                 "use_sliding_window": (False, bool(hf.get("use_sliding_window", False)))}
-  for name, (want, got) in unsupported.items():
-    if want != got:
-      raise ValueError(f"{source}: {arch} with {name}={got!r} is not supported (needs {want!r})")
-  theta, scaling = _rope(hf, source)
-  heads = int(hf["num_attention_heads"])
-  cfg = ModelConfig(
-      vocab_size=int(hf["vocab_size"]),
-      hidden_size=int(hf["hidden_size"]),
-      num_layers=int(hf["num_hidden_layers"]),
-      num_heads=heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-      head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-      mlp_hidden=int(hf["intermediate_size"]),
-      rope_theta=theta,
-      rope_scaling=scaling,
-      rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      qk_norm=ARCHITECTURES[arch][1],
-      tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-  return cfg.replace(**overrides) if overrides else cfg
-
-
-def config_to_hf(cfg: ModelConfig) -> dict:
-  """config.json contents for `cfg` (Qwen3 when it uses q/k norm, else Llama); legacy RoPE keys,
-  which every transformers version reads."""
-  arch = "Qwen3ForCausalLM" if cfg.qk_norm else "LlamaForCausalLM"
-  rs = cfg.rope_scaling
-  return {
-      "architectures": [arch], "model_type": ARCHITECTURES[arch][0],
-      "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
-      "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
-      "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
-      "intermediate_size": cfg.mlp_hidden, "hidden_act": "silu", "rms_norm_eps": cfg.rms_eps,
-      "rope_theta": cfg.rope_theta,
-      "rope_scaling": None if rs is None else {
-          "rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
-          "high_freq_factor": rs.high_freq_factor,
-          "original_max_position_embeddings": rs.original_max_position},
-      "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-      "torch_dtype": cfg.param_dtype,
-  }
 
 
 # -- tensor layout --------------------------------------------------------------------------------

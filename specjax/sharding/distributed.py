@@ -116,9 +116,10 @@ def initialize_distributed(config: DistributedConfig | None = None) -> bool:
 
 def global_batch(local_data: Any, mesh: Mesh, spec: P | None = None,
                  rules: Rules = DEFAULT_RULES) -> Any:
-  """Assemble per-process rows into global arrays sharded by `spec` (default: dim 0 on the batch
-  axes). Each process passes the rows its own devices hold, e.g. process p of n passes rows
-  [p * B / n, (p + 1) * B / n) of a global batch of B rows when the batch axes span processes."""
+  """Assemble per-process rows into arrays that span every process, sharded by `spec` (default:
+  dim 0 on the batch axes). Each process passes the rows its own devices hold, e.g. process p of n
+  passes rows [p * B / n, (p + 1) * B / n) of a batch of B rows when the batch axes span
+  processes."""
   if spec is None:
     spec = logical_to_spec(("batch",), rules)
   sharding = NamedSharding(mesh, spec)
@@ -126,7 +127,7 @@ def global_batch(local_data: Any, mesh: Mesh, spec: P | None = None,
 
 
 def process_rows(global_rows: int) -> slice:
-  """The slice of a global batch that this process loads when rows split evenly over processes."""
+  """The slice of the whole batch that this process loads when rows split evenly over processes."""
   n, p = jax.process_count(), jax.process_index()
   if global_rows % n:
     raise ValueError(f"process_rows: {global_rows} rows do not split over {n} processes")
