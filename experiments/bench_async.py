@@ -87,14 +87,17 @@ def main(argv=None) -> dict:
   from flax import nnx
 
   import importlib
-  from specjax.experiment.driver import (build_base_policy, build_draft_head, build_task,
-                                         build_tokenizer, run_modes)
+  from specjax.jobs import setup_logging
+  from specjax.jobs.base_policy import build_base_policy
+  from specjax.jobs.draft_init import build_draft_head
+  from specjax.jobs.driver import build_task, build_tokenizer, run_modes
   from specjax.rl.async_rl.config import AsyncConfig
   from specjax.rl.async_rl.loop import run_rl_async
   from specjax.rl.config import CheckpointConfig, ValidationConfig
   from specjax.rl.metrics_log import read_metrics
   from specjax.rl.loop import run_rl
 
+  setup_logging()
   driver = importlib.import_module(args.experiment)
   exp = driver.DEFAULTS
   max_new = args.max_new_tokens or exp.rl.rollout.max_new_tokens

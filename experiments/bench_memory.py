@@ -22,7 +22,8 @@ from specjax.eagle.head import init_head
 from specjax.eagle.vocab import build_vocab_maps
 from specjax.models import Decoder, ModelConfig
 from specjax.rl import train_step
-from specjax.rl.config import DraftConfig, GRPOConfig, RLConfig
+from specjax.rl.config import DraftConfig, RLConfig
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.train_step import TrainBatch, Trainer
 
 VARIANTS = {

@@ -1,10 +1,10 @@
-"""specjax's synchronous GRPO loop on the workload of the TRL comparison (issue 17), phase by phase.
+"""specjax's synchronous GRPO loop on the workload of the TRL comparison, phase by phase.
 
 One 3.3M-parameter Qwen3 (d=256, 4 layers, char vocabulary), 8 prompts x 4 samples, 64 new tokens,
 float32, AR rollouts, one optimizer step per batch. `--workload DIR` also writes that policy as a
 Hugging Face checkpoint + tokenizer.json and the prompts, for experiments/trl_grpo_reference.py.
 
-  python experiments/bench_train_side.py --steps 8 --workload /tmp/grpo_workload
+  python experiments/bench_train_side.py --steps 8 --workload runs/grpo_workload
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ import time
 from flax import nnx
 
 from specjax.models import CharTokenizer, Decoder, ModelConfig
+from specjax.optim import OptimConfig
 from specjax.rl.config import (
   CheckpointConfig,
-  GRPOConfig,
-  OptimConfig,
   RLConfig,
   RolloutConfig,
   TaskConfig,
   ValidationConfig,
 )
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.loop import run_rl
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 

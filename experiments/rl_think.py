@@ -9,11 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.experiment.driver import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
-                                       biased_answer, parse_config, run_experiment)
+from specjax.jobs import setup_logging
+from specjax.jobs.base_policy import biased_answer
+from specjax.jobs.config import BaseModelConfig, DraftInitConfig, ExperimentConfig, parse_config
+from specjax.jobs.driver import run_experiment
 from specjax.models import ModelConfig
-from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
-                               RolloutConfig, TaskConfig, ValidationConfig)
+from specjax.optim import OptimConfig
+from specjax.rl.config import (CheckpointConfig, DraftConfig, RLConfig, RolloutConfig, TaskConfig,
+                               ValidationConfig)
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.tasks import Example, Score, register_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
@@ -67,8 +71,8 @@ def scratchpad_examples(task, n: int, seed: int, bias: float) -> list[tuple[str,
 
 def _defaults() -> ExperimentConfig:
   """A 0.15M-parameter decoder pretrained on answers, fine-tuned on 3-operand scratchpads
-  (~16 tokens): short completions, so the plain loop (no compaction, fixed K; see rl_zero's
-  history in docs/BENCHMARKS.md). rl_zero.py's default is the long-scratchpad job.
+  (~16 tokens): short completions, so the plain loop (no compaction, fixed K; docs/BENCHMARKS.md,
+  "RL-Think"). rl_zero.py's default is the long-scratchpad job.
 
   1500 fine-tuning steps: after 300 the base could not copy the prompt's operands into its
   scratchpad (no greedy scratchpad right on 256 held-out prompts, sampled accuracy 0.07), and RL
@@ -99,6 +103,7 @@ DEFAULTS = _defaults()
 
 
 def main(argv=None) -> dict:
+  setup_logging()
   cfg = parse_config(DEFAULTS, argv)
   from specjax.sharding import initialize_distributed
 

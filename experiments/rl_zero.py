@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.experiment.driver import (BaseModelConfig, DraftInitConfig, ExperimentConfig,
-                                       biased_answer, parse_config, run_experiment)
+from specjax.jobs import setup_logging
+from specjax.jobs.base_policy import biased_answer
+from specjax.jobs.config import BaseModelConfig, DraftInitConfig, ExperimentConfig, parse_config
+from specjax.jobs.driver import run_experiment
 from specjax.models import ModelConfig
-from specjax.rl.config import (DraftConfig, GRPOConfig, OptimConfig, RLConfig, RolloutConfig,
-                               TaskConfig, ValidationConfig, CheckpointConfig)
+from specjax.optim import OptimConfig
+from specjax.rl.config import (CheckpointConfig, DraftConfig, RLConfig, RolloutConfig, TaskConfig,
+                               ValidationConfig)
+from specjax.rl.grpo import GRPOConfig
 
 
 def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str]]:
@@ -39,10 +43,10 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # long-tailed scratchpads (11-165 tokens), few rows per step (2 prompts x 4 samples: in this task
 # a prompt fixes its length, so two prompts give the live batch something to shrink to), and a
 # policy large enough that decoding reads weights rather than computing (14.2M parameters), grown
-# from a 1.2M decoder pretrained here (`specjax.experiment.grow`: new layers and MLP units start
+# from a 1.2M decoder pretrained here (`specjax.jobs.grow`: new layers and MLP units start
 # with zero output projections, so the grown policy computes exactly what the small one did).
 # The train step leaves out the groups whose samples all scored the same (their advantages are
-# exactly 0; RolloutConfig.train_skip_zero_advantage): about two thirds of the sequences here,
+# exactly 0; RLConfig.train.skip_zero_advantage): about two thirds of the sequences here,
 # which puts generation at ~63% of the AR step (40% when every sequence was trained).
 # 800 pretraining steps: after 400 the base's sampled scratchpads were wrong too often for RL to
 # find the right answers (+8 points in 30 steps); after 800, +67. Temperature 0.7: sampled
@@ -83,6 +87,7 @@ DEFAULTS = ExperimentConfig(
 
 
 def main(argv=None) -> dict:
+  setup_logging()
   cfg = parse_config(DEFAULTS, argv)
   from specjax.sharding import initialize_distributed
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 from flax import nnx
 
-from specjax.experiment.pretrain import LmTrainConfig, train_lm
+from specjax.jobs.pretrain import LmTrainConfig, train_lm
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Decoder
 from specjax.models.tokenizer import CharTokenizer

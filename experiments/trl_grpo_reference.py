@@ -2,9 +2,9 @@
 experiments/bench_train_side.py runs (same initial weights, tokenizer and prompts), phase by phase.
 
 Needs its own virtual environment (torch + trl); specjax never imports this file:
-  python -m venv /tmp/trlvenv && /tmp/trlvenv/bin/pip install torch==2.13.0 trl
-  python experiments/bench_train_side.py --workload /tmp/grpo_workload   # writes the workload
-  /tmp/trlvenv/bin/python experiments/trl_grpo_reference.py --workload /tmp/grpo_workload
+  python -m venv ~/trl-venv && ~/trl-venv/bin/pip install torch==2.13.0 trl
+  python experiments/bench_train_side.py --workload runs/grpo_workload   # writes the workload
+  ~/trl-venv/bin/python experiments/trl_grpo_reference.py --workload runs/grpo_workload
 """
 
 from __future__ import annotations

@@ -35,8 +35,9 @@ def model_config():
 
 
 def rl_config(use_mesh: bool):
-  from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig,
-                                 RLConfig, RolloutConfig)
+  from specjax.optim import OptimConfig
+  from specjax.rl.config import CheckpointConfig, DraftConfig, RLConfig, RolloutConfig
+  from specjax.rl.grpo import GRPOConfig
   from specjax.sharding import MeshConfig
   # a fixed K and no compaction: one segment program per rollout, the fewest compiles
   return RLConfig(model=model_config(), grpo=GRPOConfig(group_size=4), prompts_per_step=4,

@@ -11,15 +11,15 @@ import pytest
 from flax import nnx
 
 from specjax.models import CharTokenizer, Decoder, ModelConfig
+from specjax.optim import OptimConfig
 from specjax.rl.async_rl.config import AsyncConfig
 from specjax.rl.async_rl.importance import tis_weights
 from specjax.rl.async_rl.loop import WeightPush, run_rl_async, setup_async
 from specjax.rl.async_rl.worker import RolloutWorker, RolloutWorkerError
-from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig,
-                               RLConfig, RolloutConfig)
-from specjax.rl.grpo import grpo_loss
-from specjax.rl.metrics_log import read_metrics
+from specjax.rl.config import CheckpointConfig, DraftConfig, RLConfig, RolloutConfig
+from specjax.rl.grpo import GRPOConfig, grpo_loss
 from specjax.rl.loop import run_rl
+from specjax.rl.metrics_log import read_metrics
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
 TOK = CharTokenizer()

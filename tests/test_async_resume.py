@@ -6,18 +6,17 @@ import pytest
 from flax import nnx
 
 from specjax.models import CharTokenizer, Decoder, ModelConfig
+from specjax.optim import OptimConfig, make_schedule
 from specjax.rl.async_rl.config import AsyncConfig
 from specjax.rl.async_rl.loop import run_rl_async
 from specjax.rl.config import (
   CheckpointConfig,
-  GRPOConfig,
-  OptimConfig,
   RLConfig,
   RolloutConfig,
 )
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.metrics_log import read_metrics
 from specjax.rl.tasks.arithmetic import ArithmeticTask
-from specjax.rl.train_step import make_schedule
 
 TOK = CharTokenizer()
 MODEL = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=32, num_layers=2, num_heads=2,

@@ -4,8 +4,8 @@ names the field (and the file), never a value silently taken."""
 import pytest
 
 from specjax.config_tree import parse_args
-from specjax.experiment.driver import ExperimentConfig
-from specjax.rl.config import RLConfig, load_config
+from specjax.jobs.config import ExperimentConfig
+from specjax.rl.config import load_config
 
 
 def _yaml(tmp_path, text):
@@ -69,3 +69,28 @@ def test_a_cli_value_of_the_wrong_type_is_refused_naming_the_flag(args, flag, ca
   assert e.value.code != 0
   err = capsys.readouterr()
   assert flag in err.out + err.err
+
+
+def test_a_yaml_key_at_a_moved_path_is_refused_naming_the_new_key(tmp_path):
+  path = _yaml(tmp_path, "rollout:\n  train_packing: false\n")
+  with pytest.raises(ValueError, match=rf"^{path}: RLConfig.rollout.train_packing: moved to "
+                                       r"train.packing$"):
+    load_config(path)
+  path = _yaml(tmp_path, "rl:\n  rollout:\n    train_pack_rows: 2\n")
+  with pytest.raises(ValueError, match=r"ExperimentConfig.rl.rollout.train_pack_rows: moved to "
+                                       r"rl.train.pack_rows$"):
+    parse_args(ExperimentConfig(), ["--config", path])
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["--rl.rollout.train-packing"], "--rl.rollout.train-packing: moved to --rl.train.packing"),
+    (["--rl.rollout.no-train-packing"],
+     "--rl.rollout.no-train-packing: moved to --rl.train.no-packing"),
+    (["--rl.rollout.train-width-block=8"],
+     "--rl.rollout.train-width-block: moved to --rl.train.width-block"),
+])
+def test_a_cli_flag_at_a_moved_path_is_refused_naming_the_new_flag(args, shown):
+  with pytest.raises(SystemExit, match=f"^{shown}$"):
+    parse_args(ExperimentConfig(), args)
+  cfg = parse_args(ExperimentConfig(), ["--rl.train.no-packing", "--rl.train.width-block", "8"])
+  assert not cfg.rl.train.packing and cfg.rl.train.width_block == 8

@@ -4,8 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.rl.config import GRPOConfig
-from specjax.rl.grpo import denominators, grpo_loss
+from specjax.rl.grpo import GRPOConfig, denominators, grpo_loss
 
 CFG = GRPOConfig(group_size=2, adv_mode="drgrpo", loss_agg="seq-mean-token-sum-norm")
 

@@ -17,8 +17,8 @@ from specjax.eagle import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab
 from experiments import toy
 from specjax.models import Decoder
 from specjax.models.tokenizer import CharTokenizer
-from specjax.sampling import engine as eng
-from specjax.sampling.engine import STATIC, EngineConfig
+from specjax.sampling.adaptive import DraftLenPolicy
+from specjax.sampling import STATIC, EngineConfig
 from specjax.sampling import (AcceptanceMetrics, SamplingConfig, TargetStep, generate,
                               speculative_generate)
 
@@ -26,7 +26,7 @@ from specjax.sampling import (AcceptanceMetrics, SamplingConfig, TargetStep, gen
 CFG = toy.tiny_random_config()
 SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0)
 GREEDY = SamplingConfig(max_new_tokens=16, temperature=0.0, eos_ids=(13,))
-TRAIN = DraftTrainConfig(steps=80, batch_size=16, learning_rate=3e-3, warmup_steps=5,
+TRAIN = DraftTrainConfig(steps=80, batch_size=16, lr=3e-3, warmup_steps=5,
                          draft_vocab=24)
 K = 3
 
@@ -95,11 +95,8 @@ def test_greedy_speculative_with_an_eagle_head_equals_greedy_autoregressive(targ
   if which == "trained":
     assert AcceptanceMetrics.from_counts(static.stats).num_accepted_tokens > 0
   # the adaptive engine (compaction, K in 0..3 per bucket). Its K choices follow measured step
-  # costs and the process-global acceptance estimate, which is keyed by the drafter's config (both
-  # heads here share it), so only the output is asserted: whether and how much it drafts after
-  # the first segment is not (a full-suite run once had it pick K = 0 throughout, no drafts).
-  # Forgetting the estimate makes the first segment draft.
-  eng.clear_calibration()
+  # costs, so only the output is asserted: whether and how much it drafts after the first segment
+  # is not. A call without `tuning` starts from a fresh estimate, so its first segment drafts.
   adaptive = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(1),
                                   GREEDY)
   np.testing.assert_array_equal(adaptive.tokens, ar.tokens)
@@ -118,10 +115,11 @@ def test_greedy_eagle_speculation_equals_greedy_ar_for_any_sequence_of_draft_len
   drafter, params = eagle3_drafter(trained.head, target.embed[...], trained.maps, draft_len=K)
   ar = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
   schedule = itertools.cycle((3, 0, 1, 3, 2, 0, 2, 1))
-  monkeypatch.setattr(eng._Run, "choose_k", lambda self, *args: (next(schedule), float("nan")))
+  monkeypatch.setattr(DraftLenPolicy, "choose",
+                      lambda self, *args: (next(schedule), float("nan")))
   # and every segment 2 steps long, K = 0 too (the engine runs a K = 0 bucket to its end, since
   # its own choice could not change there; this schedule does change it)
-  monkeypatch.setattr(eng._Run, "segment_budget", lambda self, *args: 2)
+  monkeypatch.setattr(DraftLenPolicy, "budget", lambda self, *args: 2)
   engine = EngineConfig()
   out = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(1), GREEDY,
                              engine=engine)

@@ -79,7 +79,7 @@ def test_scratchpad_task_writes_partial_results_and_scores_the_final_answer():
 
 
 def test_bad_experiment_config_is_a_clear_error(tmp_path):
-  from specjax.experiment.driver import BaseModelConfig, ExperimentConfig, parse_config
+  from specjax.jobs.config import BaseModelConfig, ExperimentConfig, parse_config
 
   with pytest.raises(ValueError, match="BaseModelConfig.bias"):
     BaseModelConfig(bias=1.5)
@@ -101,7 +101,7 @@ def test_growth_keeps_the_small_decoders_logits_and_every_new_weight_gets_gradie
   import numpy as np
   from flax import nnx
 
-  from specjax.experiment.grow import grow_decoder
+  from specjax.jobs.grow import grow_decoder
   from specjax.models import Decoder, ModelConfig
 
   small = Decoder(ModelConfig(num_layers=2, mlp_hidden=32), rngs=nnx.Rngs(1))
@@ -123,7 +123,7 @@ def test_growth_keeps_the_small_decoders_logits_and_every_new_weight_gets_gradie
 
 
 def test_speedups_skip_steps_that_compiled_in_either_run():
-  from specjax.experiment.report import compile_mask, paired_speedups
+  from specjax.jobs.report import compile_mask, paired_speedups
 
   def run(gens, compiled):
     return [{"step": i + 1, "time/gen": g, "time/step": g + 1.0, "perf/compile_step": c}

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.rl.config import GRPOConfig
-from specjax.rl.grpo import (LossDenominators, denominators, group_advantages, grpo_loss, k3_kl)
+from specjax.rl.grpo import (GRPOConfig, LossDenominators, denominators, group_advantages,
+                             grpo_loss, k3_kl)
 
 REWARDS = np.array([1, 0, 0, 1, 1, 1, 1, 0], np.float32)
 

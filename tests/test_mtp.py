@@ -9,9 +9,9 @@ from flax import nnx
 
 from experiments import toy
 from specjax.eagle import collect_rollouts, mtp_drafter, mtp_loss
-from specjax.experiment.pretrain import LmTrainConfig, lm_mtp_loss, train_lm
+from specjax.jobs.pretrain import LmTrainConfig, lm_mtp_loss, train_lm
 from specjax.models import Decoder
-from specjax.sampling.engine import STATIC
+from specjax.sampling import STATIC
 from specjax.sampling import (AcceptanceMetrics, SamplingConfig, TargetStep, generate,
                               speculative_generate)
 

@@ -11,10 +11,13 @@ import pytest
 from flax import nnx
 
 from specjax.models import Decoder, ModelConfig
-from specjax.rl import train_step as ts
-from specjax.rl.config import GRPOConfig, OptimConfig, RLConfig, RolloutConfig
+from specjax.optim import OptimConfig
+from specjax.rl import train_packed, train_step as ts
+from specjax.rl.config import RLConfig, RolloutConfig, TrainConfig
+from specjax.rl.grpo import GRPOConfig
+from specjax.rl.logprobs import sequence_logprobs
 from specjax.rl.packing import first_fit_rows, pack, sequence_extents
-from specjax.rl.train_step import TrainBatch, Trainer, sequence_logprobs
+from specjax.rl.train_step import TrainBatch, Trainer
 from specjax.sharding import MeshConfig, make_mesh
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -78,7 +81,7 @@ def test_packing_lays_each_sequence_whole_in_one_row_from_position_zero():
 
 
 def test_a_sequence_longer_than_a_packed_row_is_an_error_naming_the_field():
-  with pytest.raises(ValueError, match="train_pack_width"):
+  with pytest.raises(ValueError, match="pack_width"):
     first_fit_rows(np.array([5, 30]), 24)
 
 
@@ -109,8 +112,8 @@ def test_packed_logprobs_equal_each_sequence_alone(policy, block):
 
 def _cfg(agg: str, packing: bool, width: int = 0, rows: int = 1, beta: float = 0.0):
   return CFG.replace(grpo=GRPOConfig(group_size=4, loss_agg=agg, beta=beta),
-                     rollout=RolloutConfig(max_new_tokens=S - PROMPT, train_packing=packing,
-                                           train_pack_width=width, train_pack_rows=rows))
+                     rollout=RolloutConfig(max_new_tokens=S - PROMPT),
+                     train=TrainConfig(packing=packing, pack_width=width, pack_rows=rows))
 
 
 def _leaves(tree):
@@ -157,8 +160,8 @@ def test_sequences_with_zero_advantage_are_left_out_and_the_update_is_unchanged(
   batch = batch.replace(advantages=jnp.asarray(adv))
   skip, padded = Trainer(_cfg("token-mean", True), graphdef), \
       Trainer(_cfg("token-mean", False), graphdef)
-  keep_all = Trainer(_cfg("token-mean", True).replace(rollout=dataclasses.replace(
-      _cfg("token-mean", True).rollout, train_skip_zero_advantage=False)), graphdef)
+  keep_all = Trainer(_cfg("token-mean", True).replace(train=dataclasses.replace(
+      _cfg("token-mean", True).train, skip_zero_advantage=False)), graphdef)
   assert skip.step_cfg.skip_zero_advantage and not keep_all.step_cfg.skip_zero_advantage
   ss, ms = skip.step(skip.init_state(params), batch)
   sp, mp = padded.step(padded.init_state(params), batch)
@@ -191,7 +194,7 @@ def test_a_batch_of_zero_advantages_trains_on_nothing_and_still_applies_the_upda
   ss, ms = skip.step(skip.init_state(params), batch)
   sp, mp = padded.step(padded.init_state(params), batch)
   assert float(ms["train/skipped_seqs"]) == 1.0 and float(ms["train/packed_rows"]) == 0
-  assert not set(ms) & ts.TOKEN_MEAN_METRICS and "entropy" in mp
+  assert not set(ms) & train_packed.TOKEN_MEAN_METRICS and "entropy" in mp
   moved = False
   for a, b, init in zip(_leaves(ss.params), _leaves(sp.params), _leaves(params)):
     _close(a, b)
@@ -212,7 +215,7 @@ def test_on_policy_packed_steps_compile_once_for_batches_of_any_lengths(policy):
       batch = batch.replace(advantages=jnp.zeros_like(batch.advantages))
     state, m = trainer.step(state, batch, donate=True)
     assert np.isfinite(float(m["pg_loss"]))
-    sizes.append((ts._accumulate_jit._cache_size(), ts._apply_jit_donated._cache_size()))
+    sizes.append((train_packed._accumulate_jit._cache_size(), ts._apply_jit_donated._cache_size()))
   assert sizes[0] == sizes[1] == sizes[2] == sizes[3], sizes
 
 

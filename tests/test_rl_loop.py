@@ -10,10 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.jobs.pretrain import pretrain_lm
 from specjax.models import CharTokenizer, Decoder, ModelConfig
-from specjax.rl.config import (CheckpointConfig, DraftConfig, GRPOConfig, OptimConfig, RLConfig,
-                               RolloutConfig, TaskConfig, ValidationConfig, load_config)
-from specjax.experiment.pretrain import pretrain_lm
+from specjax.optim import OptimConfig
+from specjax.rl.config import (CheckpointConfig, DraftConfig, RLConfig, RolloutConfig, TaskConfig,
+                               TrainConfig, ValidationConfig, load_config)
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.loop import iterate_rl, run_rl
 from specjax.rl.metrics_log import MetricsLogger, append_jsonl, read_metrics
 from specjax.rl.tasks.arithmetic import ArithmeticTask
@@ -90,19 +92,19 @@ def test_speculative_rollouts_with_an_online_eagle_draft_complete_and_log_accept
 
 def test_a_train_batch_cut_to_its_longest_row_trains_exactly_like_the_full_width(base_model,
                                                                                 tmp_path):
-  """Trimming the train batch (RolloutConfig.train_width_block, packing off) leaves only padding
+  """Trimming the train batch (TrainConfig.width_block, packing off) leaves only padding
   out: the same update as training at prompt + max_new_tokens columns; each width compiles in
   the first step. Packing the sequences (the default) is the same update again, with nothing to
   warm up."""
   # the plain rollout loop (compaction changes no rollout, and its buckets would only compile)
   cfg = CFG.replace(steps=2, rollout=RolloutConfig(temperature=1.0, max_new_tokens=40,
-                                                   train_width_block=8, train_packing=False,
                                                    compaction=False),
+                    train=TrainConfig(width_block=8, packing=False),
                     validation=ValidationConfig())
   cut = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "cut"), verbose=False)
-  full = run_rl(cfg.replace(rollout=dataclasses.replace(cfg.rollout, train_width_block=0)),
+  full = run_rl(cfg.replace(train=dataclasses.replace(cfg.train, width_block=0)),
                 base_model, TOK, out_dir=str(tmp_path / "full"), verbose=False)
-  packed = run_rl(cfg.replace(rollout=dataclasses.replace(cfg.rollout, train_packing=True)),
+  packed = run_rl(cfg.replace(train=dataclasses.replace(cfg.train, packing=True)),
                   base_model, TOK, out_dir=str(tmp_path / "packed"), verbose=False)
   cut_rec, full_rec, packed_rec = (read_metrics(s["metrics_path"]) for s in (cut, full, packed))
   # 5-token prompts + 40 new tokens: 45 columns; "<bos>1+2=" and "12<eos>" fit in 8 or 16

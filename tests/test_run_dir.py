@@ -7,12 +7,13 @@ import sys
 import pytest
 from flax import nnx
 
-from specjax.experiment.driver import ExperimentConfig
-from specjax.experiment.run_dir import (Replacement, check_flags, check_model_dir, check_policy,
+from specjax.jobs.config import ExperimentConfig
+from specjax.jobs.run_dir import (Replacement, check_flags, check_model_dir, check_policy,
                                         claim_run_dir, run_paths)
 from specjax.models import CharTokenizer, Decoder, ModelConfig, save_pretrained
-from specjax.rl.config import CheckpointConfig, GRPOConfig, RLConfig
 from specjax.rl.async_rl.config import AsyncConfig
+from specjax.rl.config import CheckpointConfig, RLConfig
+from specjax.rl.grpo import GRPOConfig
 from specjax.sharding import MeshConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments"))

@@ -2,7 +2,6 @@
 another run's checkpoints, non-finite rewards. Tiny random policy, a few steps each."""
 
 import json
-import math
 import os
 
 import jax
@@ -11,9 +10,10 @@ import pytest
 from flax import nnx
 
 from specjax.models import CharTokenizer, Decoder, ModelConfig
+from specjax.optim import OptimConfig
 from specjax.rl.checkpoint import CheckpointExists, CheckpointMismatch, Checkpointer
-from specjax.rl.config import (CheckpointConfig, GRPOConfig, OptimConfig, RLConfig, RolloutConfig,
-                               ValidationConfig)
+from specjax.rl.config import CheckpointConfig, RLConfig, RolloutConfig, ValidationConfig
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.loop import run_rl
 from specjax.rl.metrics_log import read_metrics, truncate_metrics
 from specjax.rl.safety import NonFiniteError
@@ -150,7 +150,7 @@ def test_non_finite_rewards_skip_the_update_then_stop_the_run_and_are_never_chec
 
 
 def test_report_timings_leave_out_the_compile_step_of_every_resumed_segment():
-  from specjax.experiment.report import run_stats
+  from specjax.jobs.report import run_stats
 
   def rec(step, t, compiled):
     return {"step": step, "time/step": t, "time/gen": t / 2, "perf/compile_step": compiled}

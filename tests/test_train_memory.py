@@ -11,7 +11,9 @@ from specjax.eagle.head import init_head
 from specjax.eagle.ttt import ttt_loss, ttt_loss_chunked
 from specjax.eagle.vocab import build_vocab_maps, identity_maps
 from specjax.models import Decoder, ModelConfig
-from specjax.rl.config import DraftConfig, GRPOConfig, OptimConfig, RLConfig
+from specjax.optim import OptimConfig
+from specjax.rl.config import DraftConfig, RLConfig
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.train_step import TrainBatch, Trainer
 
 MODEL = ModelConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,

@@ -11,7 +11,9 @@ from flax import nnx
 from specjax.eagle.head import init_head
 from specjax.eagle.vocab import identity_maps
 from specjax.models import Decoder, ModelConfig
-from specjax.rl.config import DraftConfig, GRPOConfig, OptimConfig, RLConfig
+from specjax.optim import OptimConfig
+from specjax.rl.config import DraftConfig, RLConfig
+from specjax.rl.grpo import GRPOConfig
 from specjax.rl.train_step import TrainBatch, Trainer
 from specjax.sharding import MeshConfig, make_mesh
 
