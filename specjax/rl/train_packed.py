@@ -1,11 +1,11 @@
 """The packed train step: a rollout batch's sequences laid end to end in rows (`rl.packing`), their
 gradients summed over micro-batches of one shape (one compiled program), then one update.
+`trainer` below is the run's `train_step.Trainer` (not imported: it imports this module).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -14,9 +14,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax.rl.grpo import denominators
 from specjax.rl.train_state import TrainBatch, TrainState
-
-if TYPE_CHECKING:
-  from specjax.rl.train_step import Trainer
 
 # metrics that are means over the trained completion tokens (none when a step trains on none)
 TOKEN_MEAN_METRICS = frozenset({"entropy", "kl", "clip_frac", "clip_low_frac", "clip_high_frac",
@@ -28,7 +25,7 @@ def accumulate_metric(name: str, acc: jax.Array, value: jax.Array) -> jax.Array:
   return jnp.maximum(acc, value) if name.endswith("max_abs") else acc + value
 
 
-def packed_step(trainer: Trainer, state: TrainState, batch: TrainBatch, draft_weight,
+def packed_step(trainer, state: TrainState, batch: TrainBatch, draft_weight,
                 donate: bool) -> tuple[TrainState, dict]:
   """One optimizer step on `batch` packed: gradients summed over its micro-batches of
   [pack_rows, width] (one compiled program whatever the batch's lengths), then one update; the
@@ -80,7 +77,7 @@ def packed_step(trainer: Trainer, state: TrainState, batch: TrainBatch, draft_we
   return new, metrics
 
 
-def _accumulate_packed(trainer: Trainer, state: TrainState, acc, batch: TrainBatch, draft_weight,
+def _accumulate_packed(trainer, state: TrainState, acc, batch: TrainBatch, draft_weight,
                        denom):
   """acc + (grads, metrics) of one packed micro-batch."""
   grads, metrics = trainer._grads(state, batch, draft_weight, denom)
@@ -89,13 +86,13 @@ def _accumulate_packed(trainer: Trainer, state: TrainState, acc, batch: TrainBat
       {k: accumulate_metric(k, acc[1][k], v) for k, v in metrics.items()}))
 
 
-def _zero_acc(trainer: Trainer, state: TrainState, batch: TrainBatch, draft_weight, denom):
+def _zero_acc(trainer, state: TrainState, batch: TrainBatch, draft_weight, denom):
   """Zeros shaped like `_accumulate_packed`'s (grads, metrics)."""
   shapes = jax.eval_shape(trainer._grads, state, batch, draft_weight, denom)
   return _place_acc(trainer, state, jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), shapes))
 
 
-def _acc_shardings(trainer: Trainer, state: TrainState, acc):
+def _acc_shardings(trainer, state: TrainState, acc):
   """(grads sharded like the params, metrics replicated): where the accumulated (grads,
   metrics) live on the mesh."""
   from specjax.sharding import state_shardings
@@ -104,7 +101,7 @@ def _acc_shardings(trainer: Trainer, state: TrainState, acc):
           jax.tree.map(lambda _: replicated, acc[1]))
 
 
-def _commit_acc(trainer: Trainer, state: TrainState, acc):
+def _commit_acc(trainer, state: TrainState, acc):
   """`_zero_acc`'s output placed (committed) as `_accumulate_packed` returns it, so that the
   update reuses its compiled program."""
   if trainer.mesh is None:
@@ -112,7 +109,7 @@ def _commit_acc(trainer: Trainer, state: TrainState, acc):
   return jax.device_put(acc, _acc_shardings(trainer, state, acc))
 
 
-def _place_acc(trainer: Trainer, state: TrainState, acc):
+def _place_acc(trainer, state: TrainState, acc):
   """Accumulated gradients sharded like the params (metrics replicated), so every micro-batch
   call sees the same input shardings and reuses one compiled program."""
   if trainer.mesh is None:

@@ -8,14 +8,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from specjax.sim.catalog import HardwareSpec, ModelSpec
-
-if TYPE_CHECKING:
-  from specjax.sim.drafters import DrafterCost
 
 DRAFT_VOCAB = 32000  # EAGLE-3 reduced draft vocabulary
 LOGIT_BYTES = 12.0  # fp32 logits written, read by softmax, read by the sampler
@@ -181,7 +177,7 @@ def ar_step_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int, r
 
 
 def spec_step_time(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, mp: int, rows, kv_tokens,
-                   draft_len: int, acceptance_length: float, drafter: DrafterCost,
+                   draft_len: int, acceptance_length: float, drafter,
                    draft_model: ModelSpec | None = None) -> np.ndarray:
   """One speculative step: the drafter's work (`drafter.vllm_draft_time`), then the target
   verifies K+1 tokens per row at once (same weights and KV read as one AR step, K+1 times the

@@ -18,7 +18,6 @@ from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency, Net
 
 if TYPE_CHECKING:
-  from specjax.sim.engine_cost import EngineCost
   from specjax.sim.workload import Workload
 
 TOKEN_ID_BYTES = 4
@@ -52,11 +51,12 @@ class DrafterCost:
     """Drafting seconds of one step of the vLLM-like engine (`cost.spec_step_time`), K >= 1."""
     return np.zeros_like(rows)
 
-  def specjax_draft_time(self, ec: EngineCost, rows: int, draft_len: int, window: int) -> float:
+  def specjax_draft_time(self, ec, rows: int, draft_len: int, window: int) -> float:
+    # ec: the `engine_cost.EngineCost` asking (not imported: it imports this module)
     """Drafting seconds of one iteration of specjax's engine (`EngineCost.step`), K >= 1."""
     return 0.0
 
-  def prefill_time(self, ec: EngineCost, rows: int, prompt_len: int, cache_size: int) -> float:
+  def prefill_time(self, ec, rows: int, prompt_len: int, cache_size: int) -> float:
     """Drafter work of specjax's prefill beside the target's forward over the prompts."""
     return 0.0
 
