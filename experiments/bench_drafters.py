@@ -28,12 +28,13 @@ import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
 import toy  # noqa: E402
-from specjax.eagle import (DraftTrainConfig, collect_rollouts, eagle3_drafter,  # noqa: E402
+from specjax.drafters import (DraftTrainConfig, collect_rollouts, eagle3_drafter,  # noqa: E402
                            eval_ttt, identity_maps, init_head, mtp_drafter, train_draft_head)
 from specjax.jobs.pretrain import LmTrainConfig, train_lm  # noqa: E402
 from specjax.models.tokenizer import CharTokenizer  # noqa: E402
-from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, EngineTuning,  # noqa: E402
-                              NgramDrafter, SamplingConfig, generate, speculative_generate)
+from specjax.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
+from specjax.sampling import (AcceptanceMetrics, EngineTuning, SamplingConfig,  # noqa: E402
+                              generate, speculative_generate)
 
 
 @dataclasses.dataclass(frozen=True)

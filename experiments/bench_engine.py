@@ -53,13 +53,12 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from specjax.eagle import DraftTrainConfig, eagle3_drafter, train_draft_head  # noqa: E402
+from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, NgramDrafter,  # noqa: E402
+                              eagle3_drafter, train_draft_head, truncated_copy)
 from specjax.models import Decoder, ModelConfig  # noqa: E402
-from specjax.sampling import (AcceptanceMetrics, NgramDrafter, SamplingConfig,  # noqa: E402
-                              generate, speculative_generate)
+from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
+                              SamplingConfig, generate, speculative_generate)
 from specjax.sampling import engine as eng  # noqa: E402
-from specjax.sampling.draft_model import DraftModelDrafter, truncated_copy  # noqa: E402
-from specjax.sampling import STATIC, EngineConfig, EngineTuning  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.eagle.head import init_head
-from specjax.eagle.vocab import build_vocab_maps
+from specjax.drafters.head import init_head
+from specjax.drafters.vocab import build_vocab_maps
 from specjax.models import Decoder, ModelConfig
 from specjax.rl import train_step
 from specjax.rl.config import DraftConfig, RLConfig

@@ -29,9 +29,10 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from specjax.models import Decoder, ModelConfig  # noqa: E402
-from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, EngineTuning,  # noqa: E402
-                              GroupNgramDrafter, NgramDrafter, SamplingConfig, generate,
-                              speculative_generate, truncated_copy)
+from specjax.drafters import (DraftModelDrafter, GroupNgramDrafter, NgramDrafter,  # noqa: E402
+                              truncated_copy)
+from specjax.sampling import (AcceptanceMetrics, EngineTuning, SamplingConfig,  # noqa: E402
+                              generate, speculative_generate)
 
 DRAFTERS = ("ngram", "group_ngram", "draft_model")
 SIM_DRAFTER = {"ar": "none", "ngram": "ngram", "group_ngram": "ngram", "draft_model": "draft-model"}

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specjax.sim import bench_data, calibrate, catalog, machine_fit, report  # noqa: E402
 from specjax.sim.advise import DEFAULT_DRAFTERS, advice_text, advise  # noqa: E402
-from specjax.sim.drafters import DRAFTER_COSTS, EAGLE3  # noqa: E402
+from specjax.sim.drafter_costs import DRAFTER_COSTS, EAGLE3  # noqa: E402
 from specjax.sim.simulate import ENGINES, MODES, Scenario, compare  # noqa: E402
 from specjax.sim.workload import WORKLOADS  # noqa: E402
 

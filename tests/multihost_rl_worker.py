@@ -66,7 +66,7 @@ def _numpy_init(module_fn, seed: int):
 
 def policy_and_head():
   from flax import nnx
-  from specjax.eagle.head import init_head
+  from specjax.drafters.head import init_head
   from specjax.models import Decoder
   cfg = model_config()
   return (_numpy_init(lambda: Decoder(cfg, rngs=nnx.Rngs(0)), 0),

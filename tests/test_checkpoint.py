@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.eagle.head import init_head
-from specjax.eagle.vocab import identity_maps
+from specjax.drafters.head import init_head
+from specjax.drafters.vocab import identity_maps
 from specjax.models import Decoder, ModelConfig
 from specjax.rl.checkpoint import (CheckpointExists, CheckpointMismatch, Checkpointer,
                                    NonFiniteState, run_identity)

@@ -8,8 +8,8 @@ import pytest
 from flax import nnx
 
 from specjax.models import Decoder, ModelConfig
-from specjax.sampling import (DraftModelDrafter, GroupNgramDrafter, NgramDrafter, SamplingConfig,
-                              Sequences, generate, speculative_generate, truncated_copy)
+from specjax.sampling import SamplingConfig, Sequences, generate, speculative_generate
+from specjax.drafters import DraftModelDrafter, GroupNgramDrafter, NgramDrafter, truncated_copy
 from specjax.sampling import ngram
 from specjax.sampling import STATIC
 

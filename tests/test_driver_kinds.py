@@ -11,8 +11,8 @@ import pytest
 
 import specjax.models.export as export_module
 from experiments import rl_zero
-from specjax.eagle.checkpoint import load_draft_head
-from specjax.eagle.mtp import checkpoint_has_mtp
+from specjax.drafters.checkpoint import load_draft_head
+from specjax.drafters.mtp import checkpoint_has_mtp
 from specjax.models.hf import load_pretrained, load_tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")

@@ -13,12 +13,12 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from specjax.eagle.checkpoint import (eagle3_aux_layers, load_draft_head, load_eagle3_hf,
+from specjax.drafters.checkpoint import (eagle3_aux_layers, load_draft_head, load_eagle3_hf,
                                       save_eagle3_hf, save_head)
-from specjax.eagle.drafter import eagle3_drafter
-from specjax.eagle.head import init_head
-from specjax.eagle.ttt import ttt_forward
-from specjax.eagle.vocab import build_vocab_maps
+from specjax.drafters.eagle3 import eagle3_drafter
+from specjax.drafters.head import init_head
+from specjax.drafters.ttt import ttt_forward
+from specjax.drafters.vocab import build_vocab_maps
 from specjax.models.hf import load_pretrained
 from specjax.sampling import SamplingConfig, generate, speculative_generate
 

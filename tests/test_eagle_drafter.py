@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import stats
-from specjax.eagle import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
+from specjax.drafters import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
                            collect_rollouts, draft_to_target_probs, eagle3_drafter, identity_maps,
                            init_head, train_draft_head, ttt_forward)
 from experiments import toy

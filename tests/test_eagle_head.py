@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.eagle import (Eagle3Head, HeadConfig, build_vocab_maps, build_vocab_maps_from_tokens,
+from specjax.drafters import (Eagle3Head, HeadConfig, build_vocab_maps, build_vocab_maps_from_tokens,
                            draft_to_target_logits, draft_to_target_probs, identity_maps,
                            target_to_draft, ttt_loss)
 from experiments.toy import tiny_random_config

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.eagle import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
+from specjax.drafters import (DraftTrainConfig, Eagle3Head, HeadConfig, build_vocab_maps,
                            collect_rollouts, eval_ttt, load_head, save_head, train_draft_head,
                            ttt_attention_mask, ttt_forward, ttt_loss)
 from experiments.toy import tiny_prompts, tiny_random_config

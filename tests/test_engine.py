@@ -10,8 +10,9 @@ import pytest
 from flax import nnx
 
 from specjax.models import Decoder, ModelConfig
-from specjax.sampling import (STATIC, DraftModelDrafter, Drafter, EngineConfig, EngineTuning,
-                              NgramDrafter, SamplingConfig, generate, speculative_generate)
+from specjax.sampling import (STATIC, Drafter, EngineConfig, EngineTuning, SamplingConfig, generate,
+                              speculative_generate)
+from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine as eng
 from specjax.sampling import buckets
 from specjax.sampling.adaptive import AcceptanceEstimate, best_draft_len

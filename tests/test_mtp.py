@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from experiments import toy
-from specjax.eagle import collect_rollouts, mtp_drafter, mtp_loss
+from specjax.drafters import collect_rollouts, mtp_drafter, mtp_loss
 from specjax.jobs.pretrain import LmTrainConfig, lm_mtp_loss, train_lm
 from specjax.models import Decoder
 from specjax.sampling import STATIC

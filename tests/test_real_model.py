@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.eagle.checkpoint import load_draft_head
-from specjax.eagle.drafter import eagle3_drafter
+from specjax.drafters.checkpoint import load_draft_head
+from specjax.drafters.eagle3 import eagle3_drafter
 from specjax.models.export import export_hf
 from specjax.models.hf import load_pretrained, load_tokenizer
 from specjax.models.tokenizer import MissingChatTemplateError

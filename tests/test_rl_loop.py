@@ -66,7 +66,7 @@ def test_grpo_raises_the_arithmetic_reward_within_thirty_steps(base_model, tmp_p
 
 def test_speculative_rollouts_with_an_online_eagle_draft_complete_and_log_acceptance(
     base_model, tmp_path):
-  from specjax.eagle.head import init_head
+  from specjax.drafters.head import init_head
 
   # sampled validation on 64 prompts reuses the rollouts' compiled speculative sampler
   # a fixed K (adaptive off): every step drafts, so acceptance is logged at every step; the
@@ -186,12 +186,12 @@ def test_colocated_prepare_hands_the_sampler_the_very_same_arrays_unless_it_must
 
   run, state = setup_run(CFG, base_model, TOK)
   fwd = run.trainer.forward_params(state.params)
-  gen, _ = run.engine.prepare(state.params, fwd)
+  gen, _ = run.sampler.prepare(state.params, fwd)
   assert all(a is b for a, b in zip(jax.tree.leaves(gen), jax.tree.leaves(fwd)))
   run16, state16 = setup_run(CFG.replace(rollout=dataclasses.replace(CFG.rollout,
                                                                       gen_dtype="bfloat16")),
                              base_model, TOK)
-  gen16, _ = run16.engine.prepare(state16.params, run16.trainer.forward_params(state16.params))
+  gen16, _ = run16.sampler.prepare(state16.params, run16.trainer.forward_params(state16.params))
   assert {x.dtype for x in jax.tree.leaves(gen16)} == {np.dtype("bfloat16")}
 
 

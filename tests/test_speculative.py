@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 
 from specjax.models import Decoder, ModelConfig
-from specjax.sampling import (AcceptanceMetrics, DraftModelDrafter, NgramDrafter, SamplingConfig,
-                              generate, speculative_generate)
+from specjax.sampling import AcceptanceMetrics, SamplingConfig, generate, speculative_generate
+from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine, speculative
 from specjax.sampling import STATIC, EngineConfig
 import stats

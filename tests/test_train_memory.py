@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.eagle.head import init_head
-from specjax.eagle.ttt import ttt_loss, ttt_loss_chunked
-from specjax.eagle.vocab import build_vocab_maps, identity_maps
+from specjax.drafters.head import init_head
+from specjax.drafters.ttt import ttt_loss, ttt_loss_chunked
+from specjax.drafters.vocab import build_vocab_maps, identity_maps
 from specjax.models import Decoder, ModelConfig
 from specjax.optim import OptimConfig
 from specjax.rl.config import DraftConfig, RLConfig

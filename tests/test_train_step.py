@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.eagle.head import init_head
-from specjax.eagle.vocab import identity_maps
+from specjax.drafters.head import init_head
+from specjax.drafters.vocab import identity_maps
 from specjax.models import Decoder, ModelConfig
 from specjax.optim import OptimConfig
 from specjax.rl.config import DraftConfig, RLConfig
@@ -147,7 +147,7 @@ def test_train_step_on_a_2x2x2_mesh_matches_the_single_device_step(setup):
 
 
 def test_online_mtp_trains_only_the_mtp_module_and_leaves_the_policy_gradient_exact(setup):
-  from specjax.eagle.mtp import split_mtp
+  from specjax.drafters.mtp import split_mtp
 
   model = Decoder(MODEL.replace(mtp=True, num_layers=1), rngs=nnx.Rngs(2))
   graphdef, full = nnx.split(model)

@@ -44,8 +44,8 @@ def _draft_init_prompts(cfg: ExperimentConfig, tokenizer, task):
 def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task):
   """Offline EAGLE-3 initialisation on the policy's rollouts (in-domain: the RL task's prompts;
   general: `general_prompts`, word-like text), cached under cache_dir. Returns (head, maps)."""
-  from specjax.eagle.checkpoint import load_head, save_head
-  from specjax.eagle.train import DraftTrainConfig, train_draft_head
+  from specjax.drafters.checkpoint import load_head, save_head
+  from specjax.drafters.train import DraftTrainConfig, train_draft_head
   from specjax.rl.rollout import sampling_config
 
   d = cfg.draft_init
@@ -68,7 +68,7 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task):
                                draft_vocab=d.draft_vocab or None, seed=cfg.rl.seed)
   head = None
   if d.head_mlp_hidden:
-    from specjax.eagle.head import init_head
+    from specjax.drafters.head import init_head
 
     check(d.draft_vocab > 0, "DraftInitConfig.draft_vocab",
           "set it with head_mlp_hidden (the head is built before the vocabulary is counted)")
@@ -109,7 +109,7 @@ def build_mtp_module(cfg: ExperimentConfig, policy, tokenizer, task):
   import jax
   from safetensors.numpy import load_file, save_file
 
-  from specjax.eagle.train import collect_rollouts
+  from specjax.drafters.train import collect_rollouts
   from specjax.jobs.pretrain import LmTrainConfig, train_lm
   from specjax.rl.rollout import sampling_config
 
@@ -149,7 +149,7 @@ def build_mtp_module(cfg: ExperimentConfig, policy, tokenizer, task):
 
 @dataclasses.dataclass(frozen=True)
 class _OfflineEnv:
-  """The experiment's side of `specjax.sampling.methods.OfflineEnv`: the cached offline trainers
+  """The experiment's side of `specjax.drafters.methods.OfflineEnv`: the cached offline trainers
   above, and this module's logger."""
 
   cfg: ExperimentConfig

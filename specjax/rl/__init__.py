@@ -1,14 +1,9 @@
 """GRPO with speculative rollouts: config, loss, the SPMD train step, the sync loop, checkpoints,
 metrics and tasks (async RL in `specjax.rl.async_rl`). Names below are imported lazily
 (`from specjax.rl import run_rl`).
-
-RL reads draft methods by name (`DraftConfig.kind`), so the package registers every built-in one
-on import: `specjax.sampling` its own, `specjax.eagle` (which sits above sampling) eagle3 and mtp.
 """
 
 import importlib
-
-import specjax.eagle  # noqa: F401  (registers the eagle3 and mtp draft methods)
 
 _EXPORTS = {
     "RLConfig": "config", "DraftConfig": "config", "RolloutConfig": "config",
@@ -19,7 +14,7 @@ _EXPORTS = {
     "Trainer": "train_step", "TrainStepConfig": "train_step", "TrainBatch": "train_step",
     "TrainState": "train_step", "build_train_batch": "batch", "rollout_metrics": "batch",
     "run_rl": "loop", "setup_run": "loop", "rl_step": "loop", "validate": "loop",
-    "RolloutEngine": "rollout", "Checkpointer": "checkpoint", "MetricsLogger": "metrics_log",
+    "RolloutSampler": "rollout", "Checkpointer": "checkpoint", "MetricsLogger": "metrics_log",
     "read_metrics": "metrics_log", "PhaseTimer": "timing",
     "make_task": "tasks", "TASKS": "tasks",
 }

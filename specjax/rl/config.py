@@ -14,7 +14,7 @@ from specjax.models.config import ModelConfig
 from specjax.optim import OptimConfig
 from specjax.rl.grpo import GRPOConfig
 from specjax.sampling.engine_config import EngineConfig
-from specjax.sampling.methods import DraftMethod, get_method, method_names
+from specjax.drafters.methods import DraftMethod, get_method, method_names
 from specjax.sharding.mesh import MeshConfig
 
 # the rollout engine's defaults have one home (EngineConfig); the RL config reads them from there

@@ -24,7 +24,7 @@ from specjax.rl.checkpoint import CheckpointExists, Checkpointer, run_identity
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.metrics_log import METRICS_FILE, MetricsLogger, truncate_metrics
-from specjax.rl.rollout import (RolloutEngine, acceptance_summary, build_drafter,
+from specjax.rl.rollout import (RolloutSampler, acceptance_summary, build_drafter,
                                 decode_completions, pad_prompts, resize_columns, sequence_arrays,
                                 train_widths)
 from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names,
@@ -45,7 +45,7 @@ class RLRun:
 
   cfg: RLConfig
   trainer: Trainer
-  engine: RolloutEngine
+  sampler: RolloutSampler
   task: Task
   tokenizer: Any
   ref_params: Any  # frozen reference policy (beta > 0), else None
@@ -60,7 +60,7 @@ def _policy_split(policy) -> tuple[Any, Any]:
 
 def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, draft=None,
               draft_maps=None, mesh=None) -> tuple[RLRun, TrainState]:
-  """Build trainer, rollout engine and the initial train state: on `mesh` if given (then
+  """Build trainer, rollout sampler and the initial train state: on `mesh` if given (then
   cfg.use_mesh is ignored), else on `make_mesh(cfg.mesh)` if cfg.use_mesh, else one device."""
   graphdef, params = _policy_split(policy)
   policy_cfg = nnx.merge(graphdef, params).cfg
@@ -74,12 +74,12 @@ def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, dra
   trainer = Trainer(cfg, graphdef, method.train_graphdef(drafter), mesh=mesh)
   state = trainer.init_state(init.policy, init.draft, init.draft_aux)
   task = task if task is not None else make_task(cfg.task, tokenizer)
-  engine = RolloutEngine(cfg, graphdef, tokenizer, drafter, drafter_params)
+  sampler = RolloutSampler(cfg, graphdef, tokenizer, drafter, drafter_params)
   # a copy: the train step donates (reuses) the buffers of the state it updates
   ref = jax.tree.map(jnp.copy, trainer.forward_params(state.params)) if cfg.grpo.beta > 0 \
       else None
   width = cfg.rollout.max_prompt_len or getattr(task, "max_prompt_len", 0)
-  return RLRun(cfg, trainer, engine, task, tokenizer, ref, width, mesh), state
+  return RLRun(cfg, trainer, sampler, task, tokenizer, ref, width, mesh), state
 
 
 def prompt_width(run: RLRun, prompts: Sequence[Sequence[int]]) -> int:
@@ -121,10 +121,10 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
                                         repeat=g)
     prompts, lengths = p.sync((jnp.asarray(prompts), jnp.asarray(lengths)))
   with timer.phase("prepare") as p:
-    gen_params, drafter_params = p.sync(run.engine.prepare(
+    gen_params, drafter_params = p.sync(run.sampler.prepare(
         state.params, run.trainer.forward_params(state.params), state.draft_aux))
   with timer.phase("gen") as p:
-    rollout = p.sync(run.engine.generate(gen_params, drafter_params, prompts, lengths,
+    rollout = p.sync(run.sampler.generate(gen_params, drafter_params, prompts, lengths,
                                          jax.random.fold_in(key, 0)))
   with timer.phase("reward"):
     texts = decode_completions(run.tokenizer, rollout)
@@ -173,7 +173,7 @@ def validate(run: RLRun, state: TrainState, key: jax.Array) -> dict[str, float]:
   examples = run.task.validation(v.num_prompts)
   if not examples:
     return {}
-  gen_params, drafter_params = run.engine.prepare(
+  gen_params, drafter_params = run.sampler.prepare(
       state.params, run.trainer.forward_params(state.params), state.draft_aux)
   ids = [run.task.encode_prompt(e) for e in examples]
   width = prompt_width(run, ids)
@@ -183,7 +183,7 @@ def validate(run: RLRun, state: TrainState, key: jax.Array) -> dict[str, float]:
     n = len(chunk)
     chunk = chunk + [chunk[-1]] * (v.batch_size - n)  # one static shape for every chunk
     prompts, lens, _ = pad_prompts(chunk, width, run.tokenizer.pad_id)
-    rollout = run.engine.generate(gen_params, drafter_params, jnp.asarray(prompts),
+    rollout = run.sampler.generate(gen_params, drafter_params, jnp.asarray(prompts),
                                   jnp.asarray(lens), jax.random.fold_in(key, i), greedy=v.greedy,
                                   group_size=1)
     texts = decode_completions(run.tokenizer, rollout)[:n]

@@ -17,9 +17,9 @@ import numpy as np
 
 from specjax.models.config import DTYPES
 from specjax.rl.config import RLConfig
-from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning,
-                              GroupNgramDrafter, Rollout, SamplingConfig, generate,
-                              speculative_generate)
+from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning, Rollout,
+                              SamplingConfig, generate, speculative_generate)
+from specjax.drafters import GroupNgramDrafter
 
 
 def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
@@ -42,7 +42,7 @@ def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None)
   """(drafter, fixed drafter params) of the run's draft method (`DraftMethod.build_drafter`).
   `draft`: the draft `Decoder` (or its split) for "draft-model", the EAGLE-3 head (module or split)
   for "eagle3"; unused otherwise. Drafters whose params follow training (eagle3, mtp) get them
-  from `RolloutEngine.prepare`."""
+  from `RolloutSampler.prepare`."""
   return cfg.draft.method.build_drafter(cfg.draft, policy_graphdef=policy_graphdef,
                                         policy_cfg=policy_cfg, draft=draft,
                                         group_size=cfg.grpo.group_size)
@@ -57,7 +57,7 @@ def cast_floats(tree: Any, dtype) -> Any:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RolloutEngine:
+class RolloutSampler:
   """AR or speculative sampling of G completions per prompt with the current policy. Owns the
   run's `EngineTuning`: the rollout engine's step costs, calibrated in the first rollout, and its
   acceptance estimates, carried from rollout to rollout."""

@@ -24,7 +24,7 @@ from specjax.rl.logprobs import policy_logprobs
 from specjax.rl.train_packed import accumulate_metric, packed_step
 from specjax.rl.train_state import (GROUPS, TrainBatch, TrainState, make_optimizer,
                                     shard_train_batch, train_state_shardings)
-from specjax.sampling.methods import DraftLossInputs, DraftMethod
+from specjax.drafters.methods import DraftLossInputs, DraftMethod
 
 
 @dataclasses.dataclass(frozen=True)

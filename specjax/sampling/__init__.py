@@ -1,6 +1,6 @@
 """Rollout sampling: the AR sampler, the lossless verifier, the rollout engine and the speculative
-loop, the `Drafter` protocol, the `DraftMethod` registry and the model-free and draft-model
-drafters (the learned heads, EAGLE-3 and MTP, build on this package in `specjax.eagle`).
+loop, and the `Drafter` protocol the engine calls (the drafters themselves, and the `DraftMethod`
+registry, build on this package in `specjax.drafters`).
 
 `generate` and `speculative_generate` return the same `Rollout`. Names are imported lazily
 (`from specjax.sampling import generate`), so the engine's plain-Python policy modules
@@ -11,18 +11,12 @@ import importlib
 
 _EXPORTS = {
     "generate": "ar", "EngineTuning": "calibration", "Rollout": "core", "SamplingConfig": "core",
-    "DraftModelDrafter": "draft_model", "DraftModelMethod": "draft_model",
-    "truncated_copy": "draft_model", "Drafter": "drafter", "Sequences": "drafter",
-    "TargetStep": "drafter", "STATIC": "engine_config", "EngineConfig": "engine_config",
-    "Segment": "engine_config", "AcceptanceCounts": "metrics", "AcceptanceMetrics": "metrics",
-    "acceptance_metrics": "metrics", "count_acceptance": "metrics", "tokens_per_second": "metrics",
-    "DraftInit": "methods", "DraftLossInputs": "methods", "DraftMethod": "methods",
-    "DraftMethodBase": "methods", "NoDraft": "methods", "get_method": "methods",
-    "method_names": "methods", "register_method": "methods", "GroupNgramDrafter": "ngram",
-    "GroupNgramMethod": "ngram", "NgramDrafter": "ngram", "NgramMethod": "ngram",
-    "process_logits": "processing", "sample_token": "processing", "VerifyResult": "rejection",
-    "verify": "rejection", "required_cache_size": "speculative",
-    "speculative_generate": "speculative",
+    "Drafter": "drafter", "Sequences": "drafter", "TargetStep": "drafter",
+    "STATIC": "engine_config", "EngineConfig": "engine_config", "Segment": "engine_config",
+    "AcceptanceCounts": "metrics", "AcceptanceMetrics": "metrics", "acceptance_metrics": "metrics",
+    "count_acceptance": "metrics", "tokens_per_second": "metrics", "process_logits": "processing",
+    "sample_token": "processing", "VerifyResult": "rejection", "verify": "rejection",
+    "required_cache_size": "speculative", "speculative_generate": "speculative",
 }
 
 

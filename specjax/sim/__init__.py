@@ -10,7 +10,7 @@ from specjax.sim.calibrate import MeasuredCase, fit_efficiency, paper_cases
 from specjax.sim.catalog import (HARDWARE, MODELS, HardwareSpec, ModelSpec, get_hardware,
                                  get_model, load_catalog)
 from specjax.sim.cost import Efficiency
-from specjax.sim.drafters import DRAFTER_COSTS, DrafterCost, get_drafter_cost
+from specjax.sim.drafter_costs import DRAFTER_COSTS, DrafterCost, get_drafter_cost
 from specjax.sim.engine_model import EngineModelConfig, EngineModelRun, simulate_engine
 from specjax.sim.factors import efficiency_for
 from specjax.sim.scaled import project_scaled

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specjax.sim.drafters import (DRAFT_MODEL, EAGLE3, NGRAM, NO_DRAFT, DrafterCost,
+from specjax.sim.drafter_costs import (DRAFT_MODEL, EAGLE3, NGRAM, NO_DRAFT, DrafterCost,
                                   get_drafter_cost)
 from specjax.sim.simulate import Scenario, StepResult, simulate_step
 from specjax.sim.workload import acceptance_from_rate, rate_for_acceptance

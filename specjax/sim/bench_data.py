@@ -13,7 +13,7 @@ import numpy as np
 
 from specjax.sim.calibrate import DecodeProbe, MeasuredCase
 from specjax.sim.catalog import HardwareSpec, ModelSpec, get_hardware, get_model
-from specjax.sim.drafters import DRAFT_KINDS, DRAFT_MODEL, NO_DRAFT
+from specjax.sim.drafter_costs import DRAFT_KINDS, DRAFT_MODEL, NO_DRAFT
 from specjax.sim.engine_model import EngineModelConfig, cumulative_rates
 from specjax.sim.machine_fit import ForwardCase, RolloutCase, StepCase
 

@@ -10,7 +10,7 @@ from typing import Sequence
 from specjax.sim import cost, fitting
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
-from specjax.sim.drafters import EAGLE3, NGRAM, NO_DRAFT, DrafterCost, get_drafter_cost
+from specjax.sim.drafter_costs import EAGLE3, NGRAM, NO_DRAFT, DrafterCost, get_drafter_cost
 from specjax.sim.simulate import Scenario, simulate_step
 from specjax.sim.workload import get_workload
 

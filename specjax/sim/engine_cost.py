@@ -11,7 +11,7 @@ import functools
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
-from specjax.sim.drafters import NO_DRAFT, DrafterCost, get_drafter_cost
+from specjax.sim.drafter_costs import NO_DRAFT, DrafterCost, get_drafter_cost
 
 
 @dataclasses.dataclass(frozen=True)

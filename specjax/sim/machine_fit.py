@@ -14,7 +14,7 @@ import numpy as np
 from specjax.sim import fitting
 from specjax.sim.catalog import HardwareSpec, ModelSpec, get_hardware
 from specjax.sim.cost import Efficiency
-from specjax.sim.drafters import NO_DRAFT
+from specjax.sim.drafter_costs import NO_DRAFT
 from specjax.sim.engine_cost import EngineCost
 from specjax.sim.engine_model import EngineModelConfig, simulate_engine
 

@@ -131,9 +131,9 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
   the JSON's."""
   import numpy as np
 
-  from specjax.sampling import (STATIC, AcceptanceMetrics, DraftModelDrafter, DraftModelMethod,
-                                EngineConfig, EngineTuning, SamplingConfig, generate,
-                                speculative_generate, truncated_copy)
+  from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig, EngineTuning,
+                                SamplingConfig, generate, speculative_generate)
+  from specjax.drafters import DraftModelDrafter, DraftModelMethod, truncated_copy
 
   cfg = cfg.replace(init_std=init_std)
   target = Decoder(cfg, rngs=nnx.Rngs(seed))

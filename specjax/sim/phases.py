@@ -14,7 +14,7 @@ import numpy as np
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
-from specjax.sim.drafters import NO_DRAFT, DrafterCost
+from specjax.sim.drafter_costs import NO_DRAFT, DrafterCost
 from specjax.sim.engine_cost import EngineCost
 from specjax.sim.engine_model import EngineModelConfig, cumulative_rates, simulate_engine
 from specjax.sim.workload import Workload

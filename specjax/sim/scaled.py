@@ -10,7 +10,7 @@ from typing import Sequence
 import numpy as np
 
 from specjax.sim.catalog import MODELS
-from specjax.sim.drafters import EAGLE3, NO_DRAFT, drafter_for_kind
+from specjax.sim.drafter_costs import EAGLE3, NO_DRAFT, drafter_for_kind
 from specjax.sim.simulate import Scenario, compare
 from specjax.sim.workload import Workload
 

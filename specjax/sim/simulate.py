@@ -14,7 +14,7 @@ import numpy as np
 from specjax.sim import phases
 from specjax.sim.catalog import get_hardware, get_model
 from specjax.sim.cost import Efficiency, auto_model_parallel
-from specjax.sim.drafters import EAGLE3, NO_DRAFT, DrafterCost, get_drafter_cost
+from specjax.sim.drafter_costs import EAGLE3, NO_DRAFT, DrafterCost, get_drafter_cost
 from specjax.sim.factors import efficiency_for
 from specjax.sim.workload import Workload, get_workload
 

@@ -21,7 +21,7 @@ from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.loop import (Hook, RLRun, checkpoint_saver, close_run, finish_step, open_run,
                              prompt_width, setup_run, warm_widths, write_pending)
-from specjax.rl.rollout import (RolloutEngine, decode_completions, pad_prompts, resize_columns,
+from specjax.rl.rollout import (RolloutSampler, decode_completions, pad_prompts, resize_columns,
                                 sequence_arrays)
 from specjax.rl.safety import NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
@@ -53,11 +53,11 @@ class WeightPush:
 
   The raw pieces (forward params, draft group, draft aux) are copied with `transfer` onto the
   generation mesh's shardings of the same logical-axis rules; the sampler's view of them
-  (`RolloutEngine.prepare`: the EAGLE-3 head with the policy's embedding, casts) is built there,
+  (`RolloutSampler.prepare`: the EAGLE-3 head with the policy's embedding, casts) is built there,
   so the embedding table is not sent twice."""
 
-  def __init__(self, trainer: Trainer, engine: RolloutEngine, gen_mesh):
-    self.trainer, self.engine, self.gen_mesh = trainer, engine, gen_mesh
+  def __init__(self, trainer: Trainer, sampler: RolloutSampler, gen_mesh):
+    self.trainer, self.sampler, self.gen_mesh = trainer, sampler, gen_mesh
     self._shardings = None
 
   def __call__(self, state: TrainState) -> tuple[Any, Any]:
@@ -66,27 +66,27 @@ class WeightPush:
     if self._shardings is None:
       self._shardings = state_shardings(tree, self.gen_mesh)
     moved = transfer(tree, self._shardings)
-    return self.engine.prepare({"policy": moved["forward"], "draft": moved["draft"]},
+    return self.sampler.prepare({"policy": moved["forward"], "draft": moved["draft"]},
                                moved["forward"], moved["aux"])
 
 
 def setup_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer, task: Task | None = None,
                 *, draft=None, draft_maps=None, devices: Sequence[Any] | None = None
-                ) -> tuple[RLRun, TrainState, RolloutEngine, Any]:
-  """(run with its trainer on the training mesh, initial state there, the rollout engine with
+                ) -> tuple[RLRun, TrainState, RolloutSampler, Any]:
+  """(run with its trainer on the training mesh, initial state there, the rollout sampler with
   fixed drafter params on the generation mesh, the generation mesh)."""
   gen_mesh, train_mesh = split_mesh(devices, async_cfg.gen_fraction, async_cfg.gen_mesh,
                                     async_cfg.train_mesh)
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps,
                          mesh=train_mesh)
-  fixed = run.engine.drafter_params
+  fixed = run.sampler.drafter_params
   if fixed is not None and jax.tree.leaves(fixed):
     fixed = transfer(fixed, state_shardings(fixed, gen_mesh))
-  engine = dataclasses.replace(run.engine, drafter_params=fixed)
-  return run, state, engine, gen_mesh
+  sampler = dataclasses.replace(run.sampler, drafter_params=fixed)
+  return run, state, sampler, gen_mesh
 
 
-def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Array,
+def make_producer(run: RLRun, sampler: RolloutSampler, gen_mesh, base_key: jax.Array,
                   start: int, data_position: int):
   """The worker's `produce(index, version, params)`: data, generation, rewards of batch `index`
   with the same prompts and keys as step `index` of the synchronous loop."""
@@ -103,7 +103,7 @@ def make_producer(run: RLRun, engine: RolloutEngine, gen_mesh, base_key: jax.Arr
     prompts, lengths = shard_batch((jnp.asarray(prompts), jnp.asarray(lengths)), gen_mesh)
     clock.lap("data", (prompts, lengths))
     key = jax.random.fold_in(jax.random.fold_in(base_key, index), 0)
-    rollout = engine.generate(policy, drafter_params, prompts, lengths, key)
+    rollout = sampler.generate(policy, drafter_params, prompts, lengths, key)
     tokens, mask, sampler_lp = sequence_arrays(rollout, cfg.train_cut_block)
     clock.lap("gen", (rollout, tokens, mask, sampler_lp))
     texts = decode_completions(tok, rollout)
@@ -227,7 +227,7 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   version gap 0 where an uninterrupted run would have had up to `policy_lag`
   (tests/test_async_resume.py)."""
   os.makedirs(out_dir, exist_ok=True)
-  run, state, engine, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
+  run, state, sampler, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
                                              draft_maps=draft_maps, devices=devices)
   identity = {"async": {k: getattr(async_cfg, k) for k in ("policy_lag", "is_correction",
                                                           "is_clip")}}
@@ -236,8 +236,8 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   timer, worker_times = PhaseTimer(), {k: [] for k in WORKER_PHASES}
   guard, saver = NonFiniteGuard(cfg.max_bad_steps), checkpoint_saver(ckpt, start)
   completed, last, last_val, gaps = start, {}, {}, []
-  push = WeightPush(run.trainer, engine, gen_mesh)
-  produce = make_producer(run, engine, gen_mesh, base_key, start, data_position)
+  push = WeightPush(run.trainer, sampler, gen_mesh)
+  produce = make_producer(run, sampler, gen_mesh, base_key, start, data_position)
   worker = RolloutWorker(produce, first_index=start, num_batches=cfg.steps - start,
                          policy_lag=async_cfg.policy_lag, queue_size=async_cfg.queue_size)
 

@@ -13,11 +13,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.eagle.drafter import ChainDrafter
+from specjax.drafters.eagle3 import ChainDrafter
 from specjax.models import chunked
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Decoder
-from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
+from specjax.drafters.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
                                       register_method)
 
 

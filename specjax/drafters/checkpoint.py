@@ -20,8 +20,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from specjax.eagle.head import Eagle3Head, HeadConfig
-from specjax.eagle.vocab import VocabMaps, identity_maps
+from specjax.drafters.head import Eagle3Head, HeadConfig
+from specjax.drafters.vocab import VocabMaps, identity_maps
 from specjax.models.config import ModelConfig, RopeScaling
 
 FORMAT = "specjax.eagle3/1"

@@ -15,16 +15,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx, struct
 
-from specjax.eagle.checkpoint import (eagle3_aux_layers, is_eagle3_hf_dir, load_draft_head,
+from specjax.drafters.checkpoint import (eagle3_aux_layers, is_eagle3_hf_dir, load_draft_head,
                                      save_eagle3_hf)
-from specjax.eagle.head import Eagle3Head, HeadConfig, init_head
-from specjax.eagle.ttt import ttt_loss, ttt_loss_chunked
-from specjax.eagle.vocab import VocabMaps, draft_to_target_probs, identity_maps
+from specjax.drafters.head import Eagle3Head, HeadConfig, init_head
+from specjax.drafters.ttt import ttt_loss, ttt_loss_chunked
+from specjax.drafters.vocab import VocabMaps, draft_to_target_probs, identity_maps
 from specjax.models.cache import KVCache
 from specjax.models.hf import config_from_hf
 from specjax.models.layers import causal_mask
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
-from specjax.sampling.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
+from specjax.drafters.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
                                       register_method)
 
 

@@ -5,13 +5,12 @@ initialised, fed by the sampler and trained online. Callers look it up by name a
 Adding a drafter: write a frozen dataclass with `name` and the methods of `DraftMethod` (subclass
 `DraftMethodBase` for the defaults of a drafter that trains nothing) and `register_method` an
 instance in the drafter's own module, which its package's `__init__` imports: importing
-`specjax.sampling` registers none, ngram, group-ngram and draft-model; `specjax.eagle` eagle3, mtp.
+`specjax.sampling` registers none, ngram, group-ngram and draft-model; `specjax.drafters` eagle3, mtp.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import jax
@@ -168,15 +167,6 @@ class DraftMethodBase:
 
 
 _METHODS: dict[str, DraftMethod] = {}
-# the modules of this package that register a method when imported; loaded at the first lookup,
-# since `specjax.sampling` imports its modules lazily (packages above it register their own)
-_BUILTIN_MODULES = ("specjax.sampling.ngram", "specjax.sampling.draft_model")
-
-
-def _methods() -> dict[str, DraftMethod]:
-  for module in _BUILTIN_MODULES:
-    importlib.import_module(module)
-  return _METHODS
 
 
 def register_method(method: DraftMethod) -> DraftMethod:
@@ -191,14 +181,14 @@ def register_method(method: DraftMethod) -> DraftMethod:
 
 
 def get_method(name: str) -> DraftMethod:
-  if name not in _methods():
+  if name not in _METHODS:
     raise ValueError(f"DraftConfig.kind: must be one of {method_names()}, got {name!r}")
   return _METHODS[name]
 
 
 def method_names(*, online: bool = False) -> list[str]:
   """Registered names, sorted (`online`: only those with an online loss)."""
-  return sorted(n for n, m in _methods().items() if not online or m.online_loss is not None)
+  return sorted(n for n, m in _METHODS.items() if not online or m.online_loss is not None)
 
 
 @dataclasses.dataclass(frozen=True)

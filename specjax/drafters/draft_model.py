@@ -18,7 +18,7 @@ from flax import nnx
 from specjax.models.cache import KVCache
 from specjax.models.decoder import Decoder
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
-from specjax.sampling.methods import DraftMethodBase, OfflineDraft, register_method
+from specjax.drafters.methods import DraftMethodBase, OfflineDraft, register_method
 from specjax.sampling.processing import process_logits
 
 

@@ -17,9 +17,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from specjax.config_tree import check
-from specjax.eagle.head import Eagle3Head, init_head
-from specjax.eagle.ttt import ttt_loss
-from specjax.eagle.vocab import VocabMaps, build_vocab_maps_from_tokens
+from specjax.drafters.head import Eagle3Head, init_head
+from specjax.drafters.ttt import ttt_loss
+from specjax.drafters.vocab import VocabMaps, build_vocab_maps_from_tokens
 from specjax.optim import check_trainer_fields, trainer_transform
 from specjax.sampling.ar import generate
 from specjax.sampling.core import SamplingConfig, split_model

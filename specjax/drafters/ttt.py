@@ -25,8 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.eagle.head import Eagle3Head
-from specjax.eagle.vocab import VocabMaps
+from specjax.drafters.head import Eagle3Head
+from specjax.drafters.vocab import VocabMaps
 from specjax.models.attention import causal_attention_with_own_keys
 from specjax.models.cache import KVCache
 from specjax.models.chunked import soft_cross_entropy

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from specjax.config_tree import check
 from specjax.sampling.drafter import Drafter, Sequences
-from specjax.sampling.methods import DraftMethodBase, register_method
+from specjax.drafters.methods import DraftMethodBase, register_method
 
 
 def _windows_match(ctx: jax.Array, ctx_len: jax.Array, suffix: jax.Array) -> jax.Array:
