@@ -159,3 +159,21 @@ def test_seed_summary_reports_mean_spread_and_an_exact_paired_test():
   t = out["paired_test"]
   assert t["p_value"] == 0.25 == t["min_possible_p"] and t["agree_at_0.05"]  # 3 seeds: p >= 1/4
   assert rl_zero_seeds.sign_flip_test([0.1, -0.1, 0.0]) == 1.0
+
+
+def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
+  """The GPU benchmark is run on the day a GPU is lent: its every stage must already work (here at
+  tiny shapes on the CPU), and its drafts must be accepted by construction."""
+  import bench_gpu
+
+  out = tmp_path / "gpu.json"
+  bench_gpu.main(["--smoke", "--batches", "2", "--out", str(out)])
+  data = json.loads(out.read_text())
+  (row,) = data["decode"]["smoke"]
+  assert row["batch"] == 2 and row["steps"] == 8 and row["step_ms"] > 0
+  assert 0 < row["roof_fraction"] and row["step_gbytes"] > 0
+  arms = data["speculative"]["rows"][0]["arms"]
+  assert set(arms) == {"ar", "spec_static", "spec_adaptive"}
+  # layers past the draft's have zero output projections: the draft model is the target
+  assert arms["spec_static"]["acceptance_length"] == pytest.approx(5.0)
+  assert "skipped" not in data

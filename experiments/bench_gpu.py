@@ -1,0 +1,288 @@
+"""GPU benchmark in one command: AR decode against the memory-read roof at Qwen3-1.7B and Qwen3-8B
+shapes (random weights, bfloat16) at batch 1/64/256, the speculative engine on a workload whose
+drafts are accepted, first-call (compile) times and peak device memory. JSON out, written after
+every stage, so a run stopped at its time limit keeps what it measured.
+
+  python experiments/bench_gpu.py --out runs/bench_gpu.json      # one H100/H200: ~8 minutes
+  python experiments/bench_gpu.py --smoke                        # tiny shapes, any machine, seconds
+
+Needs jax, flax, optax, numpy, safetensors, tokenizers, jinja2, tqdm (a GPU image's usual set);
+nothing is downloaded. Run it from the repository root (it puts the root on sys.path).
+
+What each figure is:
+- decode: `generate` with the plain loop (`STATIC`: one program per batch, full batch, whole
+  cache) on prompts of --prompt-len tokens, --new-tokens sampled at temperature 1 with no EOS, so
+  every row runs every step. The engine times its decode loop as one segment (no prefill): seconds
+  per step = segment seconds / steps. The roof is the bytes a step must read (all weights + the
+  KV cache it attends over) at the device's measured copy bandwidth; `roof_fraction` = roof step
+  time / measured step time. `first_call_s` is the first call (compile + run), `call_s` the second.
+- speculative: the target's layers from --draft-layers on have zero output projections (as a
+  grown policy's new layers do), so a draft model made of its first --draft-layers layers
+  computes the target's distribution exactly and drafts are accepted (acceptance length close to
+  K + 1) while the target still reads all its weights every step. Arms: AR (`STATIC`), the
+  speculative plain loop at K = --draft-len, and the adaptive engine (K in 0..--draft-len per
+  segment); tokens/s and first-call seconds of each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
+from specjax.models import Decoder, ModelConfig  # noqa: E402
+from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
+                              EngineTuning, SamplingConfig, generate, speculative_generate)
+
+SHAPES = {  # Qwen3 config.json values; random weights
+    "qwen3-1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
+                       head_dim=128, mlp_hidden=6144, vocab_size=151936, tie_embeddings=True),
+    "qwen3-8b": dict(hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                     head_dim=128, mlp_hidden=12288, vocab_size=151936, tie_embeddings=False),
+    "smoke": dict(hidden_size=64, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=16,
+                  mlp_hidden=128, vocab_size=512, tie_embeddings=True),
+}
+NOMINAL_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "B200": 8000.0, "GB200": 8000.0}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--models", nargs="+", default=["qwen3-1.7b", "qwen3-8b"], choices=list(SHAPES))
+  p.add_argument("--batches", nargs="+", type=int, default=[1, 64, 256])
+  p.add_argument("--prompt-len", type=int, default=128)
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  p.add_argument("--spec-model", default="qwen3-1.7b", choices=list(SHAPES),
+                 help="model of the speculative stage ('' skips it)")
+  p.add_argument("--spec-batches", nargs="+", type=int, default=[1, 64])
+  p.add_argument("--draft-len", type=int, default=4)
+  p.add_argument("--draft-layers", type=int, default=2)
+  p.add_argument("--budget-s", type=float, default=450.0,
+                 help="stages that would start after this many seconds are skipped (logged)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="runs/bench_gpu.json")
+  p.add_argument("--smoke", action="store_true",
+                 help="tiny shapes and batches (a check that the script runs, not a benchmark)")
+  a = p.parse_args(argv)
+  if a.smoke:
+    a.models, a.spec_model, a.batches, a.spec_batches = ["smoke"], "smoke", [1, 4], [2]
+    a.prompt_len, a.new_tokens, a.dtype = 8, 8, "float32"
+  for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers"):
+    if getattr(a, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+  if any(b < 1 for b in a.batches + a.spec_batches):
+    p.error("batches must be >= 1")
+  return a
+
+
+def log(msg: str) -> None:
+  print(f"[{time.perf_counter() - START:7.1f}s] {msg}", flush=True)
+
+
+START = time.perf_counter()
+
+
+def device_info() -> dict:
+  d = jax.devices()[0]
+  kind = getattr(d, "device_kind", str(d))
+  nominal = next((v for k, v in NOMINAL_GBPS.items() if k in kind), None)
+  return {"platform": d.platform, "device_kind": kind, "device_count": jax.device_count(),
+          "nominal_gbps": nominal, "jax": jax.__version__,
+          "host": f"{platform.machine()} {os.cpu_count()} cpus"}
+
+
+def copy_bandwidth_gbps(mbytes: int) -> float:
+  """GB/s of a device-to-device copy (bytes read + written), the best of 5."""
+  x = jnp.ones((mbytes * (1 << 20) // 4,), jnp.float32)
+  copy = jax.jit(lambda v: v + 1.0)
+  jax.block_until_ready(copy(x))
+  best = float("inf")
+  for _ in range(5):
+    t0 = time.perf_counter()
+    jax.block_until_ready(copy(x))
+    best = min(best, time.perf_counter() - t0)
+  return 2 * x.nbytes / best / 1e9
+
+
+def peak_memory_gb() -> float | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  peak = stats.get("peak_bytes_in_use")
+  return None if peak is None else peak / 1e9
+
+
+def build_target(shape: str, dtype: str, draft_layers: int, seed: int) -> Decoder:
+  """Random weights; layers >= draft_layers get zero attention-output and MLP-down projections
+  (each such layer is the identity on the residual stream, yet reads all its weights)."""
+  cfg = ModelConfig(**SHAPES[shape], dtype=dtype, param_dtype=dtype, init_std=0.02)
+  model = Decoder(cfg, rngs=nnx.Rngs(seed))
+  for i in range(draft_layers, cfg.num_layers):
+    layer = model.layers[i]
+    layer.attn.o_proj[...] = jnp.zeros_like(layer.attn.o_proj[...])
+    layer.mlp.down[...] = jnp.zeros_like(layer.mlp.down[...])
+  return model
+
+
+def step_bytes(model: Decoder, batch: int, cache_size: int) -> float:
+  """Bytes one decode step reads: every weight, plus the K and V of every cached position."""
+  cfg = model.cfg
+  weights = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  kv = batch * cache_size * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * itemsize
+  return float(weights + kv)
+
+
+def prompts_for(batch: int, width: int, vocab: int, seed: int):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, vocab, (batch, width)).astype(np.int32)
+  return jnp.asarray(tokens), jnp.full((batch,), width, jnp.int32)
+
+
+def timed_calls(fn):
+  """(first call seconds, second call seconds, second call's rollout)."""
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(0).tokens)
+  first = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  out = fn(1)
+  jax.block_until_ready(out.tokens)
+  return first, time.perf_counter() - t0, out
+
+
+def decode_stage(a, shape: str, bandwidth: float, results: dict) -> None:
+  t0 = time.perf_counter()
+  model = build_target(shape, a.dtype, a.draft_layers, a.seed)
+  graphdef, params = nnx.split(model)
+  log(f"{shape}: {model.cfg.num_params() / 1e9:.2f}B parameters built in "
+      f"{time.perf_counter() - t0:.1f} s")
+  scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0)
+  rows = []
+  for b in a.batches:
+    if over_budget(a, f"{shape} decode batch {b}", results):
+      break
+    prompts, lengths = prompts_for(b, a.prompt_len, model.cfg.vocab_size, a.seed + b)
+    run = lambda i: generate((graphdef, params), prompts, lengths, jax.random.key(i), scfg,
+                             engine=STATIC)
+    try:
+      first, call, out = timed_calls(run)
+    except Exception as e:  # e.g. out of memory at the largest batch: keep the other rows
+      log(f"{shape} batch {b}: failed ({type(e).__name__}: {str(e)[:200]})")
+      rows.append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:500]}"})
+      continue
+    seg = out.segments[0]
+    step_s = seg.seconds / max(seg.iterations, 1)
+    cache_size = a.prompt_len + a.new_tokens
+    nbytes = step_bytes(model, b, cache_size)
+    roof_s = nbytes / (bandwidth * 1e9)
+    flops = 2.0 * model.cfg.num_params() * b
+    row = {"batch": b, "first_call_s": first, "call_s": call, "steps": seg.iterations,
+           "step_ms": 1e3 * step_s, "tokens_per_s": b / step_s, "fixed_s": call - seg.seconds,
+           "step_gbytes": nbytes / 1e9, "roof_step_ms": 1e3 * roof_s,
+           "roof_fraction": roof_s / step_s, "achieved_gbps": nbytes / step_s / 1e9,
+           "achieved_tflops": flops / step_s / 1e12, "peak_memory_gb": peak_memory_gb()}
+    rows.append(row)
+    log(f"{shape} batch {b:4d}: {row['step_ms']:8.2f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+        f"roof {row['roof_step_ms']:7.2f} ms ({100 * row['roof_fraction']:5.1f}%)  "
+        f"{row['achieved_tflops']:6.1f} TFLOP/s  first call {first:6.1f} s")
+    results.setdefault("decode", {})[shape] = rows
+    write(a, results)
+  results.setdefault("decode", {})[shape] = rows
+  write(a, results)
+  del model, graphdef, params
+  gc.collect()
+
+
+def spec_stage(a, results: dict) -> None:
+  shape = a.spec_model
+  model = build_target(shape, a.dtype, a.draft_layers, a.seed)
+  draft, dparams = DraftModelDrafter.from_model(truncated_copy(model, a.draft_layers), a.draft_len)
+  scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0)
+  out_rows = []
+  for b in a.spec_batches:
+    prompts, lengths = prompts_for(b, a.prompt_len, model.cfg.vocab_size, a.seed + 1000 + b)
+    tuning = EngineTuning()
+    arms = {
+        "ar": lambda i: generate(model, prompts, lengths, jax.random.key(i), scfg, engine=STATIC),
+        "spec_static": lambda i: speculative_generate(model, draft, dparams, prompts, lengths,
+                                                      jax.random.key(i), scfg, engine=STATIC),
+        "spec_adaptive": lambda i: speculative_generate(
+            model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
+            engine=EngineConfig(max_buckets=1), tuning=tuning),
+    }
+    row = {"batch": b, "draft_len": a.draft_len, "draft_layers": a.draft_layers, "arms": {}}
+    for name, fn in arms.items():
+      if over_budget(a, f"speculative {name} batch {b}", results):
+        break
+      first, call, out = timed_calls(fn)
+      tokens = int(np.asarray(out.lengths).sum())
+      rec = {"first_call_s": first, "call_s": call, "tokens_per_s": tokens / call,
+             "forward_steps": int(out.num_steps), "peak_memory_gb": peak_memory_gb()}
+      if out.stats is not None:
+        m = AcceptanceMetrics.from_counts(out.stats)
+        rec["acceptance_length"] = m.acceptance_length if m.num_drafts else None
+        rec["k_per_segment"] = [s.draft_len for s in out.segments]
+      if "ar" in row["arms"]:
+        rec["speedup_vs_ar"] = rec["tokens_per_s"] / row["arms"]["ar"]["tokens_per_s"]
+      row["arms"][name] = rec
+      log(f"spec {shape} batch {b:3d} {name:13s}: {rec['tokens_per_s']:9.0f} tok/s  first call "
+          f"{first:6.1f} s  acc.len {rec.get('acceptance_length') or 1.0:.2f}  "
+          f"x{rec.get('speedup_vs_ar', 1.0):.2f} of AR")
+      results["speculative"] = {"model": shape, "rows": out_rows + [row]}
+      write(a, results)
+    out_rows.append(row)
+  results["speculative"] = {"model": shape, "rows": out_rows}
+  write(a, results)
+
+
+def over_budget(a, stage: str, results: dict) -> bool:
+  elapsed = time.perf_counter() - START
+  if elapsed <= a.budget_s:
+    return False
+  log(f"skipped {stage}: {elapsed:.0f} s elapsed > --budget-s {a.budget_s:.0f}")
+  results.setdefault("skipped", []).append(stage)
+  return True
+
+
+def write(a, results: dict) -> None:
+  results["elapsed_s"] = time.perf_counter() - START
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+  tmp = f"{a.out}.tmp"
+  with open(tmp, "w") as f:
+    json.dump(results, f, indent=1)
+  os.replace(tmp, a.out)
+
+
+def main(argv=None) -> dict:
+  a = parse_args(argv)
+  results = {"device": device_info(), "args": vars(a),
+             "command": "python experiments/bench_gpu.py " +
+                        " ".join(sys.argv[1:] if argv is None else argv)}
+  log(f"device: {results['device']}")
+  bandwidth = copy_bandwidth_gbps(64 if a.smoke else 1024)
+  results["device"]["copy_gbps"] = bandwidth
+  log(f"device copy bandwidth {bandwidth:.0f} GB/s (read + write; nominal "
+      f"{results['device']['nominal_gbps']})")
+  write(a, results)
+  for shape in a.models:
+    if not over_budget(a, f"{shape} decode", results):
+      decode_stage(a, shape, bandwidth, results)
+  if a.spec_model and not over_budget(a, "speculative", results):
+    spec_stage(a, results)
+  log(f"done: {a.out}")
+  return results
+
+
+if __name__ == "__main__":
+  main()
