@@ -229,20 +229,25 @@ def interleaved_runs(arms: dict, repeats: int) -> dict:
   """Every arm once untimed (compiles, calibrates), then `repeats` rounds that time each arm once
   in turn: a change in the machine's speed during the benchmark lands on every arm alike, and the
   rounds pair the arms' times. Returns {arm: (seconds per round, last rollout, programs compiled
-  during its timed runs, tokens per round)}."""
-  for fn in arms.values():
+  during its timed runs, tokens per round, seconds of the first call)}: the first call compiles
+  (and, adaptive, calibrates) every program the arm needs, so it is what a run waits for before
+  its first rollout; an arm after the first reuses the programs the arms share (the prefill)."""
+  first = {}
+  for name, fn in arms.items():
+    t0 = time.perf_counter()
     jax.block_until_ready(fn(0).tokens)
-  runs = {name: ([], None, 0, []) for name in arms}
+    first[name] = time.perf_counter() - t0
+  runs = {name: ([], None, 0, [], first[name]) for name in arms}
   for i in range(repeats):
     for name, fn in arms.items():
-      times, _, compiled, tokens = runs[name]
+      times, _, compiled, tokens, _ = runs[name]
       before = eng.compiled_programs()
       t0 = time.perf_counter()
       out = fn(i + 1)
       jax.block_until_ready(out.tokens)
       times.append(time.perf_counter() - t0)
       tokens.append(int(np.asarray(out.lengths).sum()))
-      runs[name] = (times, out, compiled + eng.compiled_programs() - before, tokens)
+      runs[name] = (times, out, compiled + eng.compiled_programs() - before, tokens, first[name])
   return runs
 
 
@@ -251,10 +256,11 @@ def paired_ratio(base: dict, arm: dict) -> float:
   return statistics.median(b / x for b, x in zip(base["rollout_s_all"], arm["rollout_s_all"]))
 
 
-def arm_record(times, out, compiled, tokens) -> dict:
+def arm_record(times, out, compiled, tokens, first_call_s) -> dict:
   """Rollout seconds (median) and tokens/s over all timed runs: arms sample different (equally
   distributed) completions, so a run's length varies; tokens/s is the steadier figure."""
   rec = {"rollout_s": statistics.median(times), "rollout_s_all": times,
+         "first_call_s": first_call_s,
          "tokens": tokens[-1], "tokens_all": tokens,
          "tokens_per_s": sum(tokens) / sum(times), "forward_steps": int(out.num_steps),
          "compiled_in_timed_runs": compiled, "acceptance_length": 1.0}
@@ -299,7 +305,8 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig,
   out = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
   for name, rec in out.items():
     log(f"  {name:18s} {rec['rollout_s']:7.3f} s  {rec['tokens_per_s']:7.1f} tok/s  "
-        f"acc.len {rec['acceptance_length']:.2f}  K/bucket {rec['k_per_bucket']}")
+        f"acc.len {rec['acceptance_length']:.2f}  K/bucket {rec['k_per_bucket']}  "
+        f"first call {rec['first_call_s']:.1f} s")
   log(f"  ({len(arms)} arms x (1 untimed + {a.repeats} timed runs, interleaved) in "
       f"{time.perf_counter() - t0:.0f} s)")
   return out, [row for t in tunings for row in t.calibration_table()]
