@@ -7,11 +7,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from specjax.drafters import DraftModelDrafter, GroupNgramDrafter, NgramDrafter, ngram, truncated_copy
 from specjax.models import Decoder, ModelConfig
-from specjax.sampling import SamplingConfig, Sequences, generate, speculative_generate
-from specjax.drafters import DraftModelDrafter, GroupNgramDrafter, NgramDrafter, truncated_copy
-from specjax.sampling import ngram
-from specjax.sampling import STATIC
+from specjax.sampling import STATIC, SamplingConfig, Sequences, generate, speculative_generate
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
                   head_dim=16, mlp_hidden=64, init_std=0.5)
