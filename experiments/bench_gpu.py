@@ -76,10 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--out", default="runs/bench_gpu.json")
   p.add_argument("--smoke", action="store_true",
                  help="tiny shapes and batches (a check that the script runs, not a benchmark)")
+  if "--smoke" in (sys.argv[1:] if argv is None else argv):  # other defaults; flags still apply
+    p.set_defaults(models=["smoke"], spec_model="smoke", batches=[1, 4], spec_batches=[2],
+                   prompt_len=8, new_tokens=8, dtype="float32")
   a = p.parse_args(argv)
-  if a.smoke:
-    a.models, a.spec_model, a.batches, a.spec_batches = ["smoke"], "smoke", [1, 4], [2]
-    a.prompt_len, a.new_tokens, a.dtype = 8, 8, "float32"
   for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")

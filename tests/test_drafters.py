@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from specjax.drafters import DraftModelDrafter, GroupNgramDrafter, NgramDrafter, ngram, truncated_copy
+from specjax.drafters import (DraftModelDrafter, GroupNgramDrafter, NgramDrafter, ngram,
+                              truncated_copy)
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import STATIC, SamplingConfig, Sequences, generate, speculative_generate
 

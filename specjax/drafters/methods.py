@@ -4,8 +4,8 @@ initialised, fed by the sampler and trained online. Callers look it up by name a
 
 Adding a drafter: write a frozen dataclass with `name` and the methods of `DraftMethod` (subclass
 `DraftMethodBase` for the defaults of a drafter that trains nothing) and `register_method` an
-instance in the drafter's own module, which its package's `__init__` imports: importing
-`specjax.sampling` registers none, ngram, group-ngram and draft-model; `specjax.drafters` eagle3, mtp.
+instance in the drafter's own module, which `specjax/drafters/__init__.py` imports: importing
+any part of `specjax.drafters` registers every built-in method.
 """
 
 from __future__ import annotations
