@@ -76,7 +76,8 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task):
                      seed=cfg.rl.seed)
   target = draft_init_target(cfg, policy)
   result = train_draft_head(nnx.split(target), toks, lens, head=head,
-                            sampling=sampling_config(cfg.rl, tokenizer), config=train_cfg)
+                            sampling=sampling_config(cfg.rl, tokenizer), config=train_cfg,
+                            progress=cfg.rl.progress)
   last = result.history[-1]
   logger.info(f"[draft] done in {time.perf_counter() - t0:.1f} s: TTT loss {last['loss']:.3f}, "
               f"step-0 top-1 agreement {last.get('acc_0', float('nan')):.2f}")
