@@ -82,8 +82,10 @@ class RolloutConfig:
     _check(self.temperature >= 0, f"{w}.temperature", f"must be >= 0, got {self.temperature}")
     _check(self.top_k >= 0, f"{w}.top_k", f"must be >= 0, got {self.top_k}")
     _check(0 < self.top_p <= 1, f"{w}.top_p", f"must be in (0, 1], got {self.top_p}")
-    _check(self.max_new_tokens >= 1, f"{w}.max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
-    _check(self.max_prompt_len >= 0, f"{w}.max_prompt_len", f"must be >= 0, got {self.max_prompt_len}")
+    _check(self.max_new_tokens >= 1, f"{w}.max_new_tokens",
+           f"must be >= 1, got {self.max_new_tokens}")
+    _check(self.max_prompt_len >= 0, f"{w}.max_prompt_len",
+           f"must be >= 0, got {self.max_prompt_len}")
     _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
     _check(self.min_bucket >= 1, f"{w}.min_bucket", f"must be >= 1, got {self.min_bucket}")
     _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
