@@ -1,0 +1,299 @@
+"""Paged KV memory: a pool of fixed-size KV pages per layer and a page table per row.
+
+A row holds pages for the tokens it has instead of a dense max-length buffer. Token position p of
+row b lives in page `page_table[b, p // page_size]`, slot `p % page_size`. Which page goes to which
+row is decided on the host (`specjax.sampling.pages.PageAllocator`); this module is the device
+side: the pool, writes through the page table, and attention over a row's pages (a pure-JAX
+reference and a Pallas kernel).
+
+Layout: keys and values are separate pools, each [L, Hkv, num_pages, page_size, Dh] (one leading
+layer axis, so a scan over layers carries one array and indexes it with `layer`). Head-major pages
+make the tile a (row, kv head) program reads per page, [page_size, Dh], one contiguous block: the
+layout of JAX's Pallas GPU paged-attention kernel. (vLLM's and sglang-jax's TPU ragged kernels
+keep pages token-major, [num_pages, page_size, Hkv (K and V interleaved), Dh], which suits a TPU
+DMA of whole pages; a Triton program per kv head wants its head's page contiguous.) A write puts
+Hkv short rows per token, and writes are few (T tokens per row per step) next to the reads.
+
+Sentinel: page-table entries outside [0, num_pages) (`NO_PAGE` = -1 by convention) name no page:
+writes through them are dropped and attention treats their positions as empty, so padding rows
+(all sentinels) cost nothing and never touch another row's memory.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from jax.experimental import pallas as pl
+
+NO_PAGE = -1  # the page-table sentinel (the host allocator uses the same value)
+NEG_INF = -1e30
+
+
+@struct.dataclass
+class PagedKV:
+  k: jax.Array  # [L, Hkv, num_pages, page_size, Dh]
+  v: jax.Array  # [L, Hkv, num_pages, page_size, Dh]
+  page_table: jax.Array  # int32[B, max_pages_per_row]; NO_PAGE where a row has no page
+  lengths: jax.Array  # int32[B] committed tokens per row
+
+  @classmethod
+  def create(cls, num_layers: int, num_pages: int, page_size: int, batch: int,
+             max_pages_per_row: int, num_kv_heads: int, head_dim: int,
+             dtype=jnp.float32) -> PagedKV:
+    shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+               page_table=jnp.full((batch, max_pages_per_row), NO_PAGE, jnp.int32),
+               lengths=jnp.zeros((batch,), jnp.int32))
+
+  @property
+  def num_layers(self) -> int:
+    return self.k.shape[0]
+
+  @property
+  def num_pages(self) -> int:
+    return self.k.shape[2]
+
+  @property
+  def page_size(self) -> int:
+    return self.k.shape[3]
+
+  @property
+  def batch(self) -> int:
+    return self.page_table.shape[0]
+
+  @property
+  def max_pages_per_row(self) -> int:
+    return self.page_table.shape[1]
+
+  def advance(self, n: jax.Array) -> PagedKV:
+    """Commit `n[b]` freshly written entries of row b."""
+    return self.replace(lengths=self.lengths + jnp.asarray(n, jnp.int32))
+
+  def with_lengths(self, lengths: jax.Array) -> PagedKV:
+    return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
+
+  def with_page_table(self, page_table: jax.Array) -> PagedKV:
+    return self.replace(page_table=jnp.asarray(page_table, jnp.int32))
+
+  def write(self, layer, k: jax.Array, v: jax.Array, start: jax.Array | None = None) -> PagedKV:
+    """Write k/v [B, T, Hkv, Dh] of `layer` at `start` (default: the committed lengths)."""
+    start = self.lengths if start is None else start
+    pk, pv = write(self.k, self.v, k, v, self.page_table, start, layer=layer)
+    return self.replace(k=pk, v=pv)
+
+  def attention(self, layer, q: jax.Array, start: jax.Array | None = None, **kwargs) -> jax.Array:
+    """`paged_attention` of queries q [B, T, H, Dh] at `start` (default: the committed lengths)
+    over `layer`, after their own keys were written: each row sees start + T keys."""
+    start = self.lengths if start is None else start
+    return paged_attention(q, self.k, self.v, self.page_table, start + q.shape[1], start,
+                           layer=layer, **kwargs)
+
+
+def _stacked(pool_k, pool_v, layer):
+  """Pools as [L, Hkv, P, S, Dh] and a layer index: a single layer's pool is layer 0 of one."""
+  if pool_k.shape != pool_v.shape:
+    raise ValueError(f"pool_k {pool_k.shape} and pool_v {pool_v.shape} differ")
+  if layer is None:
+    if pool_k.ndim != 4:
+      raise ValueError(f"pool_k: expected [Hkv, num_pages, page_size, Dh] without `layer`, got "
+                       f"shape {pool_k.shape}")
+    return pool_k[None], pool_v[None], jnp.int32(0)
+  if pool_k.ndim != 5:
+    raise ValueError(f"pool_k: expected [L, Hkv, num_pages, page_size, Dh] with `layer`, got "
+                     f"shape {pool_k.shape}")
+  return pool_k, pool_v, jnp.asarray(layer, jnp.int32)
+
+
+def _pages_at(page_table: jax.Array, positions: jax.Array, page_size: int,
+              num_pages: int) -> jax.Array:
+  """The page of each token position (int[B, T]); `num_pages` (out of range) where the row has
+  no page there: a sentinel entry, a negative position or one past the table."""
+  width = page_table.shape[1]
+  idx = positions // page_size
+  page = jnp.take_along_axis(page_table, jnp.clip(idx, 0, width - 1), axis=1)
+  ok = (positions >= 0) & (idx < width) & (page >= 0) & (page < num_pages)
+  return jnp.where(ok, page, num_pages)
+
+
+def write(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array,
+          page_table: jax.Array, start: jax.Array, layer=None) -> tuple[jax.Array, jax.Array]:
+  """Write k/v [B, T, Hkv, Dh] at token positions start[b] .. start[b] + T - 1 of each row b,
+  through its page table. Pools are [Hkv, P, S, Dh], or [L, Hkv, P, S, Dh] with `layer` (an int
+  or a traced scalar). Positions without a page are dropped. One scatter per pool, in place under
+  jit when the pools are donated or loop-carried."""
+  stacked = layer is not None
+  pk, pv, layer = _stacked(pool_k, pool_v, layer)
+  _, hkv, num_pages, page_size, _ = pk.shape
+  t = k.shape[1]
+  pos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]
+  page = _pages_at(page_table, pos, page_size, num_pages)[:, :, None]  # [B, T, 1]
+  slot = (pos % page_size)[:, :, None]
+  heads = jnp.arange(hkv)[None, None, :]  # all index arrays broadcast to [B, T, Hkv]
+  idx = (layer, heads, page, slot)
+  pk = pk.at[idx].set(k.astype(pk.dtype), mode="drop")
+  pv = pv.at[idx].set(v.astype(pv.dtype), mode="drop")
+  return (pk, pv) if stacked else (pk[0], pv[0])
+
+
+def copy_pages(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+  """pool[..., dst[i], :, :] = pool[..., src[i], :, :] for every layer and kv head (the private
+  copies of a shared prefix's partly filled last page). Pairs whose dst is out of range (padding
+  to a static count) are dropped. Pool [..., P, S, Dh]."""
+  num_pages = pool.shape[-3]
+  src = jnp.clip(jnp.asarray(src, jnp.int32), 0, num_pages - 1)
+  dst = jnp.asarray(dst, jnp.int32)
+  dst = jnp.where((dst >= 0) & (dst < num_pages), dst, num_pages)
+  # one advanced index in place: a gather and a scatter of the named pages, no pool transpose
+  return pool.at[..., dst, :, :].set(pool[..., src, :, :], mode="drop")
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+def _pages_read(page_table: jax.Array, page_size: int, max_len: int | None) -> int:
+  width = page_table.shape[1]
+  return width if max_len is None else max(1, min(width, -(-int(max_len) // page_size)))
+
+
+def paged_attention_reference(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
+                              page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
+                              layer=None, max_len: int | None = None) -> jax.Array:
+  """Attention of q [B, T, H, Dh] (H = G * Hkv) over each row's pages; query t of row b sits at
+  position start[b] + t and sees the row's key positions j with j <= start[b] + t and
+  j < lengths[b] (the keys written so far; for a forward that just wrote its T keys at `start`,
+  lengths = start + T). Positions on sentinel pages are empty; a query that sees no key returns 0.
+  Float32 softmax; returns [B, T, H, Dh] in q's dtype.
+
+  Gathers the first ceil(max_len / page_size) pages of each row (static; default all of the
+  table) into a dense view, then masks: the plain formula the kernel is checked against."""
+  pk, pv, layer = _stacked(pool_k, pool_v, layer)
+  _, hkv, num_pages, page_size, dh = pk.shape
+  b, t, h, _ = q.shape
+  n = _pages_read(page_table, page_size, max_len)
+  table = page_table[:, :n]
+  valid = (table >= 0) & (table < num_pages)
+  idx = jnp.where(valid, table, 0)
+  # one gather of the rows' pages straight out of the (stacked) pool, no layer slice copied
+  k = pk[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * page_size, dh)
+  v = pv[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * page_size, dh)
+  kpos = jnp.arange(n * page_size, dtype=jnp.int32)
+  qpos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+  mask = ((kpos[None, None, :] <= qpos[:, :, None])
+          & (kpos[None, None, :] < jnp.asarray(lengths, jnp.int32)[:, None, None])
+          & jnp.repeat(valid, page_size, axis=1)[:, None, :])  # [B, T, n*S]
+  qg = q.reshape(b, t, hkv, h // hkv, dh)
+  scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  scores = jnp.where(mask[:, None, None], scores / math.sqrt(dh), NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0.0)
+  out = jnp.einsum("bkgts,bksd->btkgd", probs, v.astype(jnp.float32))
+  return out.reshape(b, t, h, dh).astype(q.dtype)
+
+
+def _kernel(lengths_ref, start_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *,
+            group: int, num_tokens: int, scale: float):
+  """One (row, kv head) program: the row's T * G queries of this kv head against its pages,
+  one page per loop step, with an online softmax (running max m, denominator l, numerator o)."""
+  b, h = pl.program_id(0), pl.program_id(1)
+  rows, dh = q_ref.shape
+  _, _, num_pages, page_size, _ = k_ref.shape
+  width = table_ref.shape[1]
+  length, start, layer = lengths_ref[b], start_ref[b], layer_ref[0]
+  q = q_ref[...]
+  # query row r is token r // G (rows past T * G are padding, dropped by the caller)
+  qpos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
+  # keys past both the row's length and the last query are never visible: read only the pages
+  # that hold visible keys
+  end = jnp.minimum(length, start + num_tokens)
+  pages = jnp.clip((end + page_size - 1) // page_size, 0, width)
+
+  def body(i, carry):
+    o, m, l = carry
+    page = table_ref[b, i]
+    valid = (page >= 0) & (page < num_pages)
+    page = jnp.where(valid, page, 0)  # never read outside the pool
+    k = k_ref[layer, h, page]  # [S, Dh]
+    v = v_ref[layer, h, page]
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale  # [rows, S]
+    kpos = i * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+    mask = (kpos <= qpos) & (kpos < length) & valid
+    s = jnp.where(mask, s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    # masked entries are zeroed explicitly: while a query has seen no key, m_new is NEG_INF too
+    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
+    corr = jnp.exp(m - m_new)
+    l = corr * l + jnp.sum(p, axis=1, keepdims=True)
+    o = corr * o + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                                       preferred_element_type=jnp.float32)
+    return o, m_new, l
+
+  init = (jnp.zeros((rows, dh), jnp.float32), jnp.full((rows, 1), NEG_INF, jnp.float32),
+          jnp.zeros((rows, 1), jnp.float32))
+  o, _, l = jax.lax.fori_loop(0, pages, body, init)
+  o_ref[...] = (o / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
+                           page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
+                           layer=None, max_len: int | None = None,
+                           interpret: bool = False) -> jax.Array:
+  """`paged_attention_reference` as a Pallas kernel: grid (row, kv head); each program loops
+  over only the pages its row has visible keys in (a dynamic trip count from lengths and start),
+  loading one [page_size, Dh] tile of K and V per page. A stacked pool is indexed with `layer`
+  inside the kernel, so no layer slice is copied out of it.
+
+  Written for the Triton lowering (GPU): the queries of a (row, kv head) are padded to a power of
+  two >= 16 rows; page_size and Dh must then be powers of two >= 16 (tl.dot's minimum). Checked
+  only in interpret mode on CPU against the reference; not yet compiled or run on a GPU, and not
+  tuned (one page per step, no split over pages for long rows, num_warps left to the default)."""
+  pk, pv, layer = _stacked(pool_k, pool_v, layer)
+  _, hkv, _, page_size, dh = pk.shape
+  b, t, h, _ = q.shape
+  if h % hkv:
+    raise ValueError(f"q: {h} heads is not a multiple of the pool's {hkv} kv heads")
+  if not interpret:
+    for name, n in (("page_size", page_size), ("head_dim", dh)):
+      if n < 16 or n & (n - 1):
+        raise ValueError(f"{name}={n}: the Pallas GPU kernel needs a power of two >= 16")
+  g = h // hkv
+  rows = max(16, pl.next_power_of_2(t * g))
+  table = jnp.asarray(page_table, jnp.int32)[:, :_pages_read(page_table, page_size, max_len)]
+  # [B, T, Hkv, G, Dh] -> [B, Hkv, T * G, Dh]: a kv head's queries as one tile, token-major
+  qk = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
+  qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
+  whole = pl.BlockSpec()  # the whole array: scalars and pages are indexed inside the kernel
+  tile = pl.BlockSpec((None, None, rows, dh), lambda i, j: (i, j, 0, 0))
+  out = pl.pallas_call(
+      functools.partial(_kernel, group=g, num_tokens=t, scale=1.0 / math.sqrt(dh)),
+      out_shape=jax.ShapeDtypeStruct((b, hkv, rows, dh), q.dtype),
+      grid=(b, hkv),
+      in_specs=[whole, whole, whole, whole, tile, whole, whole],
+      out_specs=tile,
+      interpret=interpret,
+      name="paged_attention",
+  )(jnp.asarray(lengths, jnp.int32), jnp.asarray(start, jnp.int32), table,
+    jnp.reshape(layer, (1,)), qk, pk, pv)
+  out = out[:, :, :t * g].reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4)
+  return out.reshape(b, t, h, dh)
+
+
+def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_table: jax.Array,
+                    lengths: jax.Array, start: jax.Array, *, layer=None,
+                    max_len: int | None = None, implementation: str | None = None,
+                    interpret: bool = False) -> jax.Array:
+  """Paged attention (semantics of `paged_attention_reference`). `implementation`: "pallas"
+  (the kernel; `interpret=True` runs it on any backend), "reference", or None: the kernel on
+  GPU, the reference elsewhere."""
+  if implementation is None:
+    implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
+  if implementation == "reference":
+    return paged_attention_reference(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
+                                     max_len=max_len)
+  if implementation == "pallas":
+    return paged_attention_pallas(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
+                                  max_len=max_len, interpret=interpret)
+  raise ValueError(f"implementation={implementation!r}: expected None, 'reference' or 'pallas'")

@@ -1,0 +1,389 @@
+"""Paged KV memory: writes through page tables, the reference paged attention against dense
+attention, the Pallas kernel (interpret mode) against the reference, and the host allocator's
+invariants under random admit / grow / share / release / preempt sequences."""
+
+import copy
+import os
+import subprocess
+import sys
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.models import paged
+from specjax.models.layers import attend, attend_cache, causal_mask
+from specjax.sampling import pages
+from specjax.sampling.pages import NO_PAGE, PADDING_ROW, PageAllocator
+
+HKV, DH, PAGE = 2, 16, 4
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def _random_table(rng, batch, width, num_pages, used):
+  """A page table whose row b holds used[b] distinct random pages (no page in two rows)."""
+  perm = rng.permutation(num_pages)
+  table = np.full((batch, width), NO_PAGE, np.int32)
+  at = 0
+  for b, n in enumerate(used):
+    table[b, :n] = perm[at:at + n]
+    at += n
+  assert at <= num_pages
+  return table
+
+
+def _scatter_dense(pool, dense, table):
+  """Numpy placement of dense [B, S, Hkv, Dh] into a [Hkv, P, PAGE, Dh] pool (independent of
+  `paged.write`)."""
+  pool = np.array(pool)
+  for b in range(dense.shape[0]):
+    for p in range(dense.shape[1]):
+      page = table[b, p // PAGE]
+      if page != NO_PAGE:
+        pool[:, page, p % PAGE] = dense[b, p]
+  return pool
+
+
+def _dense_reference(q, k, v, lengths, start):
+  """attend_cache over dense buffers: query t of row b at start[b] + t sees keys j <= its
+  position and j < lengths[b]."""
+  b, t = q.shape[:2]
+  s = k.shape[1]
+  qpos = jnp.asarray(start)[:, None] + jnp.arange(t)[None, :]
+  kpos = jnp.broadcast_to(jnp.arange(s), (b, s))
+  mask = causal_mask(qpos, kpos) & (kpos[:, None, :] < jnp.asarray(lengths)[:, None, None])
+  kc = jnp.transpose(k, (0, 2, 3, 1))  # KVCache layout
+  vc = jnp.transpose(v, (0, 2, 1, 3))
+  return attend_cache(q, kc, vc, mask)
+
+
+def _problem(seed, t, heads, batch=4, width=6, num_pages=30):
+  """Random q, dense k/v, a random page table, ragged starts, lengths = start + T."""
+  rng = np.random.default_rng(seed)
+  s = width * PAGE
+  start = rng.integers(0, s - t + 1, size=batch).astype(np.int32)
+  start[0] = s - t  # one row that fills its table to the last slot
+  lengths = (start + t).astype(np.int32)
+  used = -(-lengths // PAGE)
+  table = _random_table(rng, batch, width, num_pages, used)
+  q = rng.normal(size=(batch, t, heads, DH)).astype(np.float32)
+  k = rng.normal(size=(batch, s, HKV, DH)).astype(np.float32)
+  v = rng.normal(size=(batch, s, HKV, DH)).astype(np.float32)
+  pool_k = _scatter_dense(np.zeros((HKV, num_pages, PAGE, DH), np.float32), k, table)
+  pool_v = _scatter_dense(np.zeros((HKV, num_pages, PAGE, DH), np.float32), v, table)
+  return q, k, v, pool_k, pool_v, table, lengths, start
+
+
+# -- device side --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("t,heads", [(1, 2), (1, 4), (5, 4), (5, 6)])
+def test_reference_equals_dense_attention(t, heads):
+  q, k, v, pool_k, pool_v, table, lengths, start = _problem(t * 10 + heads, t, heads)
+  got = jax.jit(paged.paged_attention_reference)(q, pool_k, pool_v, table, lengths, start)
+  chex.assert_shape(got, q.shape)
+  np.testing.assert_allclose(got, _dense_reference(q, k, v, lengths, start), atol=2e-6)
+
+
+def test_reference_with_short_lengths_and_padding_rows():
+  """lengths below start + T (the tail of a verify block sees only committed keys), a padding
+  row (no pages, length 0: zeros, not NaN), and a static max_len that covers every row."""
+  q, k, v, pool_k, pool_v, table, lengths, start = _problem(7, 5, 4)
+  lengths = lengths.copy()
+  lengths[1] = start[1] + 2
+  table[2], lengths[2], start[2] = NO_PAGE, 0, 0
+  keep = np.array([0, 1, 3])
+  want = _dense_reference(q[keep], k[keep], v[keep], lengths[keep], start[keep])
+  for max_len in (None, int(lengths.max())):
+    got = jax.jit(paged.paged_attention_reference, static_argnames="max_len")(
+        q, pool_k, pool_v, table, lengths, start, max_len=max_len)
+    np.testing.assert_allclose(got[keep], want, atol=2e-6)
+    np.testing.assert_array_equal(got[2], 0.0)
+
+
+def test_write_across_page_boundaries_and_drops():
+  rng = np.random.default_rng(1)
+  num_pages, width, t = 12, 3, 6
+  table = np.array([[5, 2, 9], [7, 0, NO_PAGE], [NO_PAGE] * 3, [11, 3, 4]], np.int32)
+  # row 0 crosses two page boundaries; row 1 runs off its last page (position 8 has no page);
+  # row 2 is padding; row 3 runs past the table's end (positions 12, 13 are dropped)
+  start = np.array([3, 3, 0, 8], np.int32)
+  k = rng.normal(size=(4, t, HKV, DH)).astype(np.float32)
+  v = rng.normal(size=(4, t, HKV, DH)).astype(np.float32)
+  pool = np.full((HKV, num_pages, PAGE, DH), 7.0, np.float32)
+  fn = jax.jit(paged.write, donate_argnums=(0, 1))
+  got_k, got_v = fn(jnp.asarray(pool), jnp.asarray(pool), k, v, table, start)
+  want_k, want_v = pool.copy(), pool.copy()
+  for b in range(4):
+    for j in range(t):
+      p = start[b] + j
+      if p // PAGE < width and table[b, p // PAGE] != NO_PAGE:
+        want_k[:, table[b, p // PAGE], p % PAGE] = k[b, j]
+        want_v[:, table[b, p // PAGE], p % PAGE] = v[b, j]
+  np.testing.assert_array_equal(got_k, want_k)
+  np.testing.assert_array_equal(got_v, want_v)
+  assert (want_k != pool).any(axis=(0, 2, 3)).sum() == 6  # pages 5, 2, 9; 7, 0; 4
+
+
+def test_stacked_pool_writes_and_reads_one_layer():
+  """PagedKV: prefill 7 tokens, then a verify block of 5 at a traced layer index; attention over
+  the pages equals causal attention over the 12 tokens, and other layers stay untouched."""
+  rng = np.random.default_rng(2)
+  b, heads, pre, t = 3, 4, 7, 5
+  kv = paged.PagedKV.create(num_layers=3, num_pages=16, page_size=PAGE, batch=b,
+                            max_pages_per_row=4, num_kv_heads=HKV, head_dim=DH)
+  kv = kv.with_page_table(_random_table(rng, b, 4, 16, [3, 4, 3]))
+  q = rng.normal(size=(b, pre + t, heads, DH)).astype(np.float32)
+  k = rng.normal(size=(b, pre + t, HKV, DH)).astype(np.float32)
+  v = rng.normal(size=(b, pre + t, HKV, DH)).astype(np.float32)
+
+  @jax.jit
+  def run(kv, layer):
+    kv = kv.write(layer, k[:, :pre], v[:, :pre]).advance(jnp.full((b,), pre))
+    kv = kv.write(layer, k[:, pre:], v[:, pre:])
+    return kv, kv.attention(layer, q[:, pre:])
+
+  kv, got = run(kv, jnp.int32(1))
+  pos = jnp.broadcast_to(jnp.arange(pre + t), (b, pre + t))
+  want = attend(q, k, v, causal_mask(pos, pos))[:, pre:]
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  assert not np.asarray(kv.k[0]).any() and not np.asarray(kv.v[2]).any()
+  chex.assert_equal(kv.lengths.tolist(), [pre] * b)
+
+
+@pytest.mark.parametrize("t,heads,layer", [(1, 4, None), (5, 4, 1), (3, 2, None)])
+def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer):
+  q, _, _, pool_k, pool_v, table, lengths, start = _problem(100 + t, t, heads, batch=3)
+  table[1, :2] = table[1, 2:4]  # a row whose pages are out of order in the pool
+  table[0, 0] = NO_PAGE  # a hole: its positions are empty (queries start with no visible key)
+  table[2] = NO_PAGE  # a padding row that keeps a stale length: it sees nothing, returns 0
+  if layer is not None:  # stacked pool; the other layers hold noise the kernel must not read
+    noise = np.random.default_rng(3).normal(size=(3, *pool_k.shape)).astype(np.float32)
+    pool_k = noise.copy()
+    pool_k[layer] = _problem(100 + t, t, heads, batch=3)[3]
+    pool_v = noise[::-1].copy()
+    pool_v[layer] = _problem(100 + t, t, heads, batch=3)[4]
+  args = (q, pool_k, pool_v, table, lengths, start)
+  kw = {"layer": None if layer is None else jnp.int32(layer)}
+  want = paged.paged_attention_reference(*args, **kw)
+  got = jax.jit(lambda *a: paged.paged_attention(*a, implementation="pallas", interpret=True,
+                                                 **kw))(*args)
+  chex.assert_shape(got, q.shape)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  np.testing.assert_array_equal(got[2], 0.0)
+
+
+def test_paged_attention_dispatch():
+  q, _, _, pool_k, pool_v, table, lengths, start = _problem(5, 1, 4)
+  args = (q, pool_k, pool_v, table, lengths, start)
+  if jax.default_backend() != "gpu":
+    np.testing.assert_array_equal(paged.paged_attention(*args),
+                                  paged.paged_attention_reference(*args))
+  with pytest.raises(ValueError, match="implementation='triton'"):
+    paged.paged_attention(*args, implementation="triton")
+  with pytest.raises(ValueError, match="page_size=4"):  # too small for the GPU kernel
+    paged.paged_attention(*args, implementation="pallas")
+  with pytest.raises(ValueError, match="with `layer`"):
+    paged.paged_attention(*args, layer=0)
+
+
+def test_shared_prefix_pages_and_copies_serve_every_sample():
+  """A group's prompt (10 tokens: two full pages and a partial one) written once into the source
+  row; share_prefix + copy_pages give every sample the same attention over the prompt, and each
+  sample's next write lands on its own page."""
+  rng = np.random.default_rng(4)
+  prompt, group, heads = 10, 3, 4
+  write, copy_pages = jax.jit(paged.write), jax.jit(paged.copy_pages)
+  alloc = PageAllocator(num_pages=12, page_size=PAGE)
+  assert alloc.admit(0, prompt)
+  copies = alloc.share_prefix(0, [1, 2], prompt)
+  assert [src for src, _ in copies] == [alloc.row_pages(0)[2]] * 2
+  kv = paged.PagedKV.create(1, 12, PAGE, group, 4, HKV, DH)
+  kv = kv.with_page_table(alloc.page_table([0, 1, 2], 4))
+  k = rng.normal(size=(1, prompt, HKV, DH)).astype(np.float32)
+  v = rng.normal(size=(1, prompt, HKV, DH)).astype(np.float32)
+  # the prompt is prefilled into row 0 only: the other rows write past their tables (dropped)
+  pk, pv = write(kv.k, kv.v, np.repeat(k, group, 0), np.repeat(v, group, 0), kv.page_table,
+                 np.array([0, 1000, 1000]), layer=0)
+  src, dst = np.array(copies).T
+  pk, pv = copy_pages(pk, src, dst), copy_pages(pv, src, dst)
+  kv = kv.replace(k=pk, v=pv).with_lengths(np.full(group, prompt))
+  q = np.repeat(rng.normal(size=(1, 1, heads, DH)).astype(np.float32), group, 0)
+  out = jax.jit(paged.paged_attention_reference)(q, kv.k, kv.v, kv.page_table, kv.lengths,
+                                                 kv.lengths - 1, layer=0)
+  want = attend(q[:1], k, v, jnp.ones((1, 1, prompt), bool))
+  np.testing.assert_allclose(out, np.repeat(want, group, 0), atol=2e-6)
+  # every sample's position 10 (slot 2 of page 2) is private: different writes don't collide
+  kn = rng.normal(size=(group, 1, HKV, DH)).astype(np.float32)
+  pk, _ = write(kv.k, kv.v, kn, kn, kv.page_table, kv.lengths, layer=0)
+  for b in range(group):
+    np.testing.assert_array_equal(pk[0, :, alloc.row_pages(b)[2], 2], kn[b, 0])
+  # copy pairs padded with NO_PAGE (a static count) are dropped
+  padded = copy_pages(kv.k, np.array([*src, 0]), np.array([*dst, NO_PAGE]))
+  np.testing.assert_array_equal(padded, kv.k)
+
+
+def test_layering():
+  """The allocator imports no jax; the device module nothing from sampling (models layer)."""
+  code = ("import sys, specjax.sampling.pages; "
+          "assert 'jax' not in sys.modules, 'pages imported jax'; "
+          "import specjax.models.paged; "
+          "assert [m for m in sys.modules if m.startswith('specjax.sampling.')] == "
+          "['specjax.sampling.pages'], 'paged imported sampling'")
+  subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+  assert pages.NO_PAGE == paged.NO_PAGE
+
+
+# -- host side ----------------------------------------------------------------------------------
+
+def _state(alloc):
+  return (alloc.free_pages, {r: alloc.row_pages(r) for r in alloc.rows},
+          {r: alloc.row_tokens(r) for r in alloc.rows})
+
+
+def _check_invariants(alloc, shared_upto):
+  """Every page is free or held; refcounts equal holders; only leading prefix pages are shared;
+  a row holds exactly the pages its tokens need."""
+  holders = np.zeros(alloc.num_pages, np.int64)
+  for row in alloc.rows:
+    held = alloc.row_pages(row)
+    assert len(set(held)) == len(held), f"row {row} holds a page twice"
+    assert len(held) == alloc.pages_for(alloc.row_tokens(row))
+    holders[list(held)] += 1
+    for i, page in enumerate(held):
+      if alloc.refcount(page) > 1:
+        assert i < shared_upto[row], f"page {page} shared at position {i} of row {row}"
+  for page in range(alloc.num_pages):
+    assert alloc.refcount(page) == holders[page]
+  assert alloc.free_pages == int(np.sum(holders == 0))
+  assert alloc.pages_in_use == int(np.sum(holders > 0))
+
+
+def test_allocator_random_operations_keep_invariants():
+  rng = np.random.default_rng(0)
+  alloc = PageAllocator(num_pages=24, page_size=PAGE, max_pages_per_row=10)
+  shared_upto, next_row = {}, 0
+  counts = dict.fromkeys(["admit", "refused", "grow", "share", "release", "preempt"], 0)
+  for _ in range(400):
+    op = rng.choice(["admit", "admit", "grow", "grow", "share", "release", "preempt"])
+    live = list(alloc.rows)
+    if op == "admit" or not live:
+      before = _state(alloc)
+      ok = alloc.admit(next_row, int(rng.integers(0, 10 * PAGE + 1)))
+      if ok:
+        shared_upto[next_row] = 0
+        counts["admit"] += 1
+      else:
+        assert _state(alloc) == before
+        counts["refused"] += 1
+      next_row += 1
+    elif op == "grow":
+      row = int(rng.choice(live))
+      new = min(alloc.row_tokens(row) + int(rng.integers(0, 3 * PAGE)), 10 * PAGE)
+      before = _state(alloc)
+      if alloc.grow(row, new):
+        assert alloc.row_tokens(row) == new
+        counts["grow"] += 1
+      else:
+        assert _state(alloc) == before
+    elif op == "share":
+      src = int(rng.choice(live))
+      prefix = int(rng.integers(0, alloc.row_tokens(src) + 1))
+      dsts = list(range(next_row, next_row + int(rng.integers(1, 4))))
+      next_row += len(dsts)
+      before = _state(alloc)
+      copies = alloc.share_prefix(src, dsts, prefix)
+      if copies is None:
+        assert _state(alloc) == before
+        continue
+      full = prefix // PAGE
+      assert len(copies) == (len(dsts) if prefix % PAGE else 0)
+      for d in dsts:
+        assert alloc.row_pages(d)[:full] == alloc.row_pages(src)[:full]
+        shared_upto[d] = full
+      for (s, d), row in zip(copies, dsts):
+        assert s == alloc.row_pages(src)[full] and d == alloc.row_pages(row)[full]
+      shared_upto[src] = max(shared_upto[src], full)
+      counts["share"] += 1
+    elif op == "release":
+      alloc.release(int(rng.choice(live)))
+      counts["release"] += 1
+    else:
+      need = int(rng.integers(0, alloc.num_pages + 1))
+      keep = set(rng.choice(live, size=min(len(live), int(rng.integers(0, 2))), replace=False))
+      rows = alloc.preempt_candidates(need, keep=keep)
+      newest = [r for r in reversed(alloc.rows) if r not in keep]
+      trial = copy.deepcopy(alloc)
+      if rows is None:
+        for r in newest:
+          trial.release(r)
+        assert trial.free_pages < need
+        continue
+      assert rows == newest[:len(rows)] and not set(rows) & keep
+      for r in rows[:-1]:
+        trial.release(r)
+      assert not rows or trial.free_pages < need  # minimal: one row fewer is not enough
+      if rows:
+        trial.release(rows[-1])
+      assert trial.free_pages >= need
+      if rng.random() < 0.5:
+        for r in rows:
+          alloc.release(r)
+        counts["preempt"] += 1
+    _check_invariants(alloc, shared_upto)
+  assert all(counts.values()), counts  # every kind of operation happened
+  for row in alloc.rows:
+    alloc.release(row)
+  assert alloc.free_pages == alloc.num_pages and alloc.pages_in_use == 0
+  assert all(alloc.refcount(p) == 0 for p in range(alloc.num_pages))
+
+
+def test_allocator_page_table():
+  alloc = PageAllocator(num_pages=8, page_size=PAGE)
+  assert alloc.admit(3, 9) and alloc.admit(5, 0) and alloc.admit(1, 4)
+  table = alloc.page_table([3, PADDING_ROW, 5, 1], 4)
+  chex.assert_equal(table.dtype, np.int32)
+  np.testing.assert_array_equal(table, [[0, 1, 2, -1], [-1] * 4, [-1] * 4, [3, -1, -1, -1]])
+  assert alloc.grow(5, 1) and alloc.page_table([5], 2).tolist() == [[4, NO_PAGE]]
+  assert not alloc.admit(7, 4 * PAGE)  # 3 pages free
+  assert alloc.preempt_candidates(3) == [] and alloc.preempt_candidates(4) == [1]
+  assert alloc.preempt_candidates(5) == [1, 5]  # newest admission first, not newest growth
+
+
+def test_allocator_errors_name_the_argument():
+  alloc = PageAllocator(num_pages=6, page_size=PAGE, max_pages_per_row=4)
+  assert alloc.admit(0, 5)
+  with pytest.raises(ValueError, match="row 0 is already admitted"):
+    alloc.admit(0, 1)
+  with pytest.raises(ValueError, match="row: row 9 is not admitted"):
+    alloc.release(9)
+  with pytest.raises(ValueError, match="row: row 9 is not admitted"):
+    alloc.grow(9, 3)
+  with pytest.raises(ValueError, match="num_tokens=17 .* never fit"):
+    alloc.admit(1, 17)  # 5 pages: more than a row's table holds
+  with pytest.raises(ValueError, match="num_tokens must be a non-negative int, got -1"):
+    alloc.admit(1, -1)
+  roomy = PageAllocator(num_pages=6, page_size=PAGE)
+  assert roomy.admit(0, 0)
+  with pytest.raises(ValueError, match="new_length=100 .* whole pool"):
+    roomy.grow(0, 100)
+  with pytest.raises(ValueError, match="row: a row is a non-negative int"):
+    alloc.admit(-2, 1)
+  with pytest.raises(ValueError, match="dst_rows: row 0 is already admitted"):
+    alloc.share_prefix(0, [0], 4)
+  with pytest.raises(ValueError, match="dst_rows has repeated rows"):
+    alloc.share_prefix(0, [1, 1], 4)
+  with pytest.raises(ValueError, match="prefix_len=6 exceeds the 5 tokens of src_row 0"):
+    alloc.share_prefix(0, [1], 6)
+  with pytest.raises(ValueError, match="src_row: row 4 is not admitted"):
+    alloc.share_prefix(4, [1], 1)
+  with pytest.raises(ValueError, match="max_pages=1 is too small for row 0"):
+    alloc.page_table([0], 1)
+  with pytest.raises(ValueError, match="rows: row 4 is not admitted"):
+    alloc.page_table([4], 4)
+  with pytest.raises(ValueError, match="need_pages=7 exceeds the whole pool"):
+    alloc.preempt_candidates(7)
+  with pytest.raises(ValueError, match="page_size must be a positive int"):
+    PageAllocator(num_pages=4, page_size=0)
+
