@@ -5,6 +5,7 @@
   python experiments/simulate.py --sweep draft-len|gpus [--out runs/sim/]
   python experiments/simulate.py --calibrate [--bench-json run.json ...]
   python experiments/simulate.py --advise --model qwen3-8b --hardware h100 --gpus 8 [--engine specjax]
+  python experiments/simulate.py --engine specjax-continuous [--adaptive] [--refill-fraction F]
   python experiments/simulate.py --measure-forwards out.json [--probe-models d128-l4-v256,...]
   python experiments/simulate.py --validate-cpu --forward-json f.json --fit-models m1,m2 \
       --rollout-json r.json ... --fit-rollout r1.json [--engine-json e.json] [--plot p.png]
@@ -65,10 +66,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="fit efficiency factors to the paper's cases (+ --bench-json)")
   p.add_argument("--bench-json", action="append", default=[])
   p.add_argument("--engine", choices=ENGINES, default="vllm",
-                 help="rollout engine model: vLLM-like or specjax's bucketed engine")
+                 help="rollout engine model: vLLM-like, specjax's bucketed engine (static cache "
+                      "per row) or specjax's queue-fed paged engine (specjax-continuous)")
   p.add_argument("--adaptive", action="store_true",
-                 help="specjax engine: K per bucket in [0, --draft-len] by cost")
+                 help="specjax engines: K per segment in [0, --draft-len] by cost")
   p.add_argument("--min-bucket", type=int, default=8)
+  p.add_argument("--max-rows", type=int, default=None,
+                 help="specjax-continuous: row slots per replica (default: KV budget / an "
+                      "average row)")
+  p.add_argument("--refill-fraction", type=float, default=None,
+                 help="specjax-continuous: share of free slots that makes a segment refill")
+  p.add_argument("--refill-overhead-s", type=float, default=None,
+                 help="specjax-continuous: host seconds per refill besides the prefill")
   p.add_argument("--advise", action="store_true",
                  help="recommend drafter, K (or adaptive), sync vs async with policy lag")
   p.add_argument("--max-lag", type=int, default=2, help="--advise: largest policy lag to try")
@@ -117,7 +126,8 @@ def build_scenario(a: argparse.Namespace) -> Scenario:
                   draft_model=a.draft_model, online_draft=a.online_draft,
                   reference_logprob=a.reference_logprob, workload=workload, gen_mp=a.gen_mp,
                   memory_fraction=a.memory_fraction, engine=a.engine,
-                  adaptive=a.adaptive, min_bucket=a.min_bucket)
+                  adaptive=a.adaptive, min_bucket=a.min_bucket, max_rows=a.max_rows,
+                  refill_fraction=a.refill_fraction, refill_overhead_s=a.refill_overhead_s)
 
 
 def run_calibration(a: argparse.Namespace) -> dict:

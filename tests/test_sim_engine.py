@@ -3,6 +3,7 @@ K), its per-machine calibration from benchmark JSON, advise and project_scaled. 
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import io
 import json
@@ -13,12 +14,13 @@ import pytest
 
 from specjax.sim import bench_data, engine_model, machine_fit, phases
 from specjax.sim.catalog import get_hardware, get_model
+from specjax.sim.continuous_model import ContinuousEngineConfig, simulate_continuous
 from specjax.sim.cost import Efficiency
 from specjax.sim.engine_cost import EngineCost
 from specjax.sim.engine_model import EngineModelConfig, simulate_engine, tokens_per_step
 from specjax.sim.scaled import project_scaled
 from specjax.sim.simulate import Scenario, compare
-from specjax.sim.workload import Workload
+from specjax.sim.workload import Workload, get_workload
 
 TINY = bench_data.model_spec({"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2,
                               "head_dim": 32, "vocab": 256})
@@ -253,3 +255,99 @@ def test_bench_engine_layout_with_percentile_lengths_and_drafter_prefixed_arms(t
   assert lengths.min() == pytest.approx(10) and lengths.max() == pytest.approx(100)
   for c in arms:
     assert c.predict(CPU_EFF) > 0
+
+
+# -- specjax-continuous: queue-fed row slots over paged KV (continuous_model.py) -----------------
+
+def _lognormal(n, mean, sigma, cap):
+  w = Workload(name="t", prompts=1, samples=n, mean_response_len=mean, max_response_len=cap,
+               length_sigma=sigma)
+  return np.round(w.response_lengths(n))[phases._queue_order(n)]
+
+
+def _paged_cost(bucket, k, kv):
+  return 1e-3 + 1e-5 * bucket * (k + 1) + 1e-7 * kv  # weights + per-slot work + pages read
+
+
+def _prefill_cost(rows, tokens, kv, queries):
+  return 1e-4 + 2e-6 * tokens
+
+
+def test_paged_rows_held_ignore_max_length_while_dense_rows_per_wave_shrink():
+  hw, eff, m = get_hardware("h100"), Efficiency(), get_model("qwen3-8b")
+  held, dense = [], []
+  for cap in (4096, 16384):  # lengths far below both caps: the same actual lengths
+    w = Workload(name="t", prompts=16, samples=16, prompt_len=128, mean_response_len=400.0,
+                 max_response_len=cap, length_sigma=0.5)
+    cont = phases.generation_continuous(m, hw, eff, 1, w, mp=1)
+    held.append((cont.slots, cont.engine_stats["peak_live"]))
+    dense.append(phases.generation_specjax(m, hw, eff, 1, w, mp=1).slots)
+  assert held[0] == held[1] == (256, 256)
+  assert dense[1] < dense[0] < held[0][0]
+  lengths = _lognormal(96, 300.0, 0.9, 4096)
+  peaks = [simulate_continuous(ContinuousEngineConfig(
+      batch=96, prompt_len=64, max_new=cap, num_pages=2200, page_size=16, group_size=8),
+      lengths, [], _paged_cost, _prefill_cost).peak_live for cap in (4096, 16384)]
+  assert peaks[0] == peaks[1]
+
+
+def test_paged_engine_holds_at_least_the_dense_rows_at_the_same_budget():
+  hw, eff, m = get_hardware("h100"), Efficiency(), get_model("qwen3-8b")
+  w = Workload(name="t", prompts=64, samples=16, prompt_len=256, mean_response_len=1500.0,
+               max_response_len=16384, length_sigma=1.2)  # long tail: a few rows reach 16k
+  cont = phases.generation_continuous(m, hw, eff, 1, w, mp=1)
+  dense = phases.generation_specjax(m, hw, eff, 1, w, mp=1)
+  assert cont.engine_stats["peak_live"] >= cont.slots > 4 * dense.slots
+  assert cont.seconds < dense.seconds
+
+
+def test_refill_between_segments_is_never_slower_than_waves():
+  lengths = _lognormal(256, 400.0, 1.0, 4096)
+  runs = {f: simulate_continuous(ContinuousEngineConfig(
+      batch=32, prompt_len=64, max_new=4096, group_size=8, refill_fraction=f,
+      refill_overhead_s=2e-3), lengths, [], _paged_cost, _prefill_cost)
+      for f in (1 / 32, 0.125, 0.5, 1.0)}  # 1.0: refill only when every slot is free = waves
+  assert all(r.seconds <= runs[1.0].seconds for r in runs.values())
+  assert runs[0.125].seconds < 0.6 * runs[1.0].seconds  # the tail of each wave overlaps
+  assert runs[1 / 32].refills > runs[0.125].refills > runs[1.0].refills
+  for r in runs.values():  # every row's tokens, each committed once
+    assert r.tokens == pytest.approx((lengths - 1).sum())
+
+
+def test_preemption_never_loses_tokens_and_counts_the_recomputation():
+  lengths = _lognormal(64, 600.0, 0.9, 4096)
+  rates = engine_model.cumulative_rates(2.5, 3)
+  cfg = ContinuousEngineConfig(batch=64, prompt_len=64, max_new=4096, draft_len=3,
+                               max_draft_len=3, page_size=16, group_size=8)
+  tight = simulate_continuous(dataclasses.replace(cfg, num_pages=600), lengths, rates,
+                              _paged_cost, _prefill_cost)
+  ample = simulate_continuous(dataclasses.replace(cfg, num_pages=100000), lengths, rates,
+                              _paged_cost, _prefill_cost)
+  assert ample.preemptions == 0 and ample.recomputed_tokens == 0
+  assert tight.preemptions > 0 and tight.recomputed_tokens > 0
+  assert 0 < tight.recompute_s < tight.prefill_s
+  assert tight.peak_pages <= 600
+  for r in (tight, ample):
+    assert r.tokens == pytest.approx((lengths - 1).sum())
+  assert tight.seconds > ample.seconds
+
+
+def test_continuous_engine_closes_the_dense_cache_gap_at_the_published_8b_point():
+  base = Scenario(workload=get_workload("rl-zero"), gen_mp=1)
+  vllm = compare(base)
+  dense = compare(base.replace(engine="specjax"))
+  cont = compare(base.replace(engine="specjax-continuous", adaptive=True))
+  assert dense.ar.gen > 2 * vllm.ar.gen  # 57 dense rows per wave vs 128 paged rows
+  assert cont.ar.gen <= 1.1 * vllm.ar.gen
+  assert cont.spec.gen <= 1.02 * vllm.spec.gen
+  assert cont.spec.gen_detail.engine_stats["preemptions"] == 0
+
+
+def test_continuous_engine_config_rejects_bad_values_naming_the_field():
+  with pytest.raises(ValueError, match="ContinuousEngineConfig.refill_fraction"):
+    ContinuousEngineConfig(batch=8, prompt_len=8, max_new=16, refill_fraction=0.0)
+  with pytest.raises(ValueError, match="ContinuousEngineConfig.num_pages"):
+    ContinuousEngineConfig(batch=8, prompt_len=64, max_new=1024, num_pages=8, page_size=16)
+  with pytest.raises(ValueError, match="Scenario.refill_fraction"):
+    Scenario(engine="specjax-continuous", refill_fraction=1.5)
+  assert Scenario(engine="specjax-continuous", adaptive=True).adaptive

@@ -8,7 +8,7 @@ import dataclasses
 
 from specjax.sim.drafter_costs import (DRAFT_MODEL, EAGLE3, NGRAM, NO_DRAFT, DrafterCost,
                                   get_drafter_cost)
-from specjax.sim.simulate import Scenario, StepResult, simulate_step
+from specjax.sim.simulate import ENGINE_KINDS, Scenario, StepResult, simulate_step
 from specjax.sim.workload import acceptance_from_rate, rate_for_acceptance
 
 DRAFT_LENS = (1, 2, 3, 4, 5, 7)
@@ -53,7 +53,7 @@ def advise(base: Scenario, drafters=DEFAULT_DRAFTERS, max_lag: int = 2,
         s = base.replace(mode=mode, policy_lag=lag, drafter=d.name, draft_len=k,
                          acceptance_length=_acceptance(base, d, k, acceptance), adaptive=False)
         options.append(Option(f"{d.name} K={k}", s, simulate_step(s)))
-      if base.engine == "specjax" and d.advise_adaptive:
+      if ENGINE_KINDS[base.engine].adaptive and d.advise_adaptive:
         k = max(draft_lens)
         s = base.replace(mode=mode, policy_lag=lag, drafter=d.name, draft_len=k,
                          acceptance_length=_acceptance(base, d, k, acceptance), adaptive=True)
@@ -88,9 +88,7 @@ def advise(base: Scenario, drafters=DEFAULT_DRAFTERS, max_lag: int = 2,
       + f"; other K by per-position decay {w.acceptance_decay}",
       *(f"{d.name} {d.acceptance_note}" for d in costs
         if d.acceptance_note and d.name not in acceptance),
-      f"engine {base.engine}: " + ("paged KV cache, continuous batching (vLLM-like)"
-                                   if base.engine == "vllm" else
-                                   "static cache per row, buckets + compaction (specjax)"),
+      f"engine {base.engine}: {ENGINE_KINDS[base.engine].description}",
       f"efficiency factors of {base.hardware} (docs/SIMULATOR.md: fitted on GB200 / CPU "
       "measurements; other GPUs inherit GB200's)",
       "async policy lag L means rollouts come from a policy up to L steps old: the RL "

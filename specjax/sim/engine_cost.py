@@ -55,6 +55,28 @@ class EngineCost:
     return self.target_forward(bucket, draft_len + 1, window) + self.draft_time(
         bucket, draft_len, window)
 
+  def paged_step(self, bucket: int, draft_len: int, kv_tokens: float) -> float:
+    """One iteration of the paged engine: `bucket` slots (static shapes: every slot computes its
+    K+1 tokens) whose live rows attend to the `kv_tokens` positions they hold (empty slots and
+    finished rows read no pages)."""
+    t = float(cost.forward_time(cost.target_net(self.model), self.hardware, self.eff, self.mp,
+                                bucket * (draft_len + 1), kv_tokens, draft_len + 1,
+                                self.eff.step_overhead_s))
+    return t + self.draft_time(bucket, draft_len, kv_tokens / bucket)
+
+  def paged_prefill(self, rows: int, tokens: float, kv_tokens: float, queries_per_row: float,
+                    draft_len: int = 0) -> float:
+    """One prefill forward of the paged engine: `tokens` new tokens (the admitted groups'
+    prompts once, recomputed rows' tokens) whose sequences span `kv_tokens` positions, causal
+    attention of `queries_per_row` x kv_tokens (query, position) pairs, logits for one position
+    per admitted row; a draft model encodes the same tokens."""
+    net = cost.target_net(self.model)
+    t = float(cost.forward_time(net, self.hardware, self.eff, self.mp, tokens, kv_tokens,
+                                queries_per_row, self.eff.step_overhead_s, logit_tokens=rows))
+    if draft_len:
+      t += self.drafter_cost.prefill_time(self, rows, tokens / rows, kv_tokens / rows)
+    return t
+
   def prefill(self, rows: int, prompt_len: int, cache_size: int, draft_len: int = 0) -> float:
     """One forward over the padded prompts against the static cache (logits at one position
     per row); a draft model also encodes the prompts."""

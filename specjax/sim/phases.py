@@ -13,6 +13,7 @@ import numpy as np
 
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
+from specjax.sim.continuous_model import ContinuousEngineConfig, simulate_continuous
 from specjax.sim.cost import Efficiency
 from specjax.sim.drafter_costs import NO_DRAFT, DrafterCost
 from specjax.sim.engine_cost import EngineCost
@@ -31,6 +32,7 @@ class GenResult:
   rows_per_replica: int
   slots: int  # rows decoded concurrently (KV-cache capacity)
   acceptance_length: float
+  engine_stats: dict = dataclasses.field(default_factory=dict)  # engine-specific counters
 
 
 @functools.lru_cache(maxsize=256)
@@ -173,6 +175,55 @@ def generation_specjax(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus
   return GenResult(seconds=seconds, prefill_s=prefill, decode_s=seconds - prefill, steps=iters,
                    replicas=replicas, mp=mp, rows_per_replica=rows, slots=slots,
                    acceptance_length=acc)
+
+
+def generation_continuous(model: ModelSpec, hw: HardwareSpec, eff: Efficiency, gpus: int,
+                          workload: Workload, *, mp: int, drafter: DrafterCost = NO_DRAFT,
+                          draft_len: int = 0, acceptance_length: float = 1.0,
+                          draft_model: ModelSpec | None = None, adaptive: bool = False,
+                          min_bucket: int = 8, rows_per_replica: int | None = None,
+                          memory_fraction: float = 0.85, max_rows: int | None = None,
+                          **engine) -> GenResult:
+  """Rollout time of one step with specjax's queue-fed paged engine
+  (`continuous_model.simulate_continuous`): each replica's KV budget is a pool of pages, its
+  rows queue in GRPO-group order for `max_rows` slots (default: as many rows as the budget
+  holds at the KV of an average finished row, as the vLLM-like engine) and are refilled between
+  segments. `engine`: further `ContinuousEngineConfig` fields (refill_fraction,
+  refill_overhead_s, page_size, headroom_iters)."""
+  speculative = drafter.speculative and (draft_len > 0 or adaptive)
+  replicas = gpus // mp
+  rows = rows_per_replica or math.ceil(workload.rollouts / replicas)
+  max_k = draft_len if speculative else 0
+  extra = drafter.weight_bytes(model, draft_model) if speculative else 0.0
+  slots = max_rows or kv_slots(model, hw, mp, workload, rows, memory_fraction, extra)
+  slots = min(slots, rows)
+  budget = mp * hw.hbm_bytes * memory_fraction - model.weight_bytes - extra
+  page_size = engine.get("page_size", ContinuousEngineConfig.page_size)
+  num_pages = int(budget // (model.kv_bytes_per_token * page_size))
+  if num_pages < 1:
+    raise ValueError(f"{model.name} does not fit a {mp}-GPU {hw.name} replica with room for KV "
+                     f"(weights {model.weight_bytes / 1e9:.0f} GB); raise gen_mp")
+  cfg = ContinuousEngineConfig(
+      batch=slots, prompt_len=workload.prompt_len, max_new=workload.max_response_len,
+      draft_len=max_k if not adaptive else 0, max_draft_len=max_k,
+      adaptive=adaptive and speculative, min_bucket=min(min_bucket, slots),
+      segment_overhead_s=eff.segment_overhead_s, num_pages=num_pages,
+      group_size=workload.samples, **engine)
+  lengths = _replica_lengths(workload, rows)[_queue_order(rows)]
+  rates = cumulative_rates(acceptance_length, max_k, decay=workload.acceptance_decay) \
+      if speculative else []
+  ec = EngineCost(model, hw, eff, (drafter if speculative else NO_DRAFT).name, draft_model, mp)
+  run = simulate_continuous(cfg, lengths, rates, ec.paged_step,
+                            lambda r, t, kv, q: ec.paged_prefill(r, t, kv, q, max_k))
+  acc = acceptance_length if speculative else 1.0
+  stats = {"refills": run.refills, "preemptions": run.preemptions,
+           "recomputed_tokens": float(run.recomputed_tokens), "recompute_s": float(run.recompute_s),
+           "refill_overhead_s": run.refill_overhead_s, "peak_live": run.peak_live,
+           "peak_pages": run.peak_pages, "num_pages": num_pages, "segments": len(run.segments)}
+  return GenResult(seconds=run.seconds, prefill_s=run.prefill_s,
+                   decode_s=run.seconds - run.prefill_s, steps=run.iterations,
+                   replicas=replicas, mp=mp, rows_per_replica=rows, slots=slots,
+                   acceptance_length=acc, engine_stats=stats)
 
 
 def expert_parallel(model: ModelSpec, hw: HardwareSpec, gpus: int) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 
 from specjax.sim.catalog import MODELS
 from specjax.sim.drafter_costs import EAGLE3, NO_DRAFT, drafter_for_kind
-from specjax.sim.simulate import Scenario, compare
+from specjax.sim.simulate import ENGINE_KINDS, Scenario, compare
 from specjax.sim.workload import Workload
 
 
@@ -33,7 +33,8 @@ def project_scaled(*, batch: int, completion_lengths: Sequence[float] | float,
   (their mean, spread and max set a lognormal clipped at `max_new`, default the longest) or one
   mean length; acceptance_length: vLLM convention at `draft_len`; draft_kind: a specjax draft
   kind (eagle3, mtp, draft-model, ngram, group-ngram, none); model: a catalog name, or None
-  with `params` (the closest Qwen3 dense model). engine: 'specjax' (static buckets) or 'vllm'.
+  with `params` (the closest Qwen3 dense model). engine: a `simulate.ENGINE_KINDS` name
+  ('specjax': static buckets, 'specjax-continuous': queue-fed paged slots, 'vllm').
   """
   drafter = drafter_for_kind(draft_kind, "project_scaled.draft_kind")
   if batch < 1:
@@ -60,7 +61,8 @@ def project_scaled(*, batch: int, completion_lengths: Sequence[float] | float,
                length_sigma=sigma, acceptance_at=max(k, 1))
   s = Scenario(model=model, hardware=hardware, gpus=gpus, mode=mode, policy_lag=policy_lag,
                drafter=(drafter if k else NO_DRAFT).name, draft_len=k, acceptance_length=acc,
-               workload=w, engine=engine, adaptive=adaptive and engine == "specjax" and k > 0)
+               workload=w, engine=engine,
+               adaptive=adaptive and k > 0 and getattr(ENGINE_KINDS.get(engine), "adaptive", False))
   c = compare(s)
   return {"model": model, "hardware": hardware, "gpus": gpus, "mode": mode, "engine": engine,
           "drafter": drafter.name, "draft_len": k, "acceptance_length": c.spec.acceptance_length,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import numpy as np
 
@@ -19,7 +20,44 @@ from specjax.sim.factors import efficiency_for
 from specjax.sim.workload import Workload, get_workload
 
 MODES = ("sync", "async")
-ENGINES = ("vllm", "specjax")  # paged KV + continuous batching, or specjax's bucketed engine
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineKind:
+  """A rollout engine the simulator models: its phase function (`phases.generation*`), whether
+  it chooses K adaptively, and a one-line description (advise's assumptions)."""
+
+  name: str
+  description: str
+  adaptive: bool  # supports Scenario.adaptive (K per segment by measured cost)
+  generate: Callable[..., phases.GenResult]
+
+
+def _vllm(s: "Scenario", model, hw, gpus, **kw) -> phases.GenResult:
+  return phases.generation(model, hw, s.eff, gpus, s.workload, **kw)
+
+
+def _specjax(s: "Scenario", model, hw, gpus, **kw) -> phases.GenResult:
+  return phases.generation_specjax(model, hw, s.eff, gpus, s.workload, adaptive=s.adaptive,
+                                   min_bucket=s.min_bucket, **kw)
+
+
+def _specjax_continuous(s: "Scenario", model, hw, gpus, **kw) -> phases.GenResult:
+  engine = {k: getattr(s, k) for k in ("refill_fraction", "refill_overhead_s")
+            if getattr(s, k) is not None}
+  return phases.generation_continuous(model, hw, s.eff, gpus, s.workload, adaptive=s.adaptive,
+                                      min_bucket=s.min_bucket, max_rows=s.max_rows, **engine,
+                                      **kw)
+
+
+ENGINE_KINDS: dict[str, EngineKind] = {e.name: e for e in (
+    EngineKind("vllm", "paged KV cache, continuous batching (vLLM-like)", False, _vllm),
+    EngineKind("specjax", "static cache per row, buckets + compaction (specjax)", True,
+               _specjax),
+    EngineKind("specjax-continuous", "queue-fed row slots over paged KV, refill between "
+               "segments, compaction in the drain (specjax)", True, _specjax_continuous),
+)}
+ENGINES = tuple(ENGINE_KINDS)
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
@@ -49,8 +87,12 @@ class Scenario:
   memory_fraction: float = 0.85  # HBM share the generation engine may use
   efficiency: Efficiency | None = None  # None = calibrated factors of `hardware`
   engine: str = "vllm"
-  adaptive: bool = False  # specjax engine: K per bucket in [0, draft_len] by measured cost
-  min_bucket: int = 8  # specjax engine: smallest live-batch bucket
+  adaptive: bool = False  # specjax engines: K per segment in [0, draft_len] by measured cost
+  min_bucket: int = 8  # specjax engines: smallest live-batch bucket
+  # specjax-continuous (None: the engine model's default, `ContinuousEngineConfig`)
+  max_rows: int | None = None  # row slots per replica (None: the KV budget / an average row)
+  refill_fraction: float | None = None  # share of slots free that makes a segment refill
+  refill_overhead_s: float | None = None  # host work per refill besides the prefill
   drafter_cost: DrafterCost = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
@@ -71,9 +113,16 @@ class Scenario:
     if self.drafter_cost.needs_draft_model:
       get_model(self.draft_model)
     _check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
-    _check(not self.adaptive or self.engine == "specjax", "adaptive",
-           "adaptive draft length needs engine='specjax'")
+    adaptive = tuple(e for e, k in ENGINE_KINDS.items() if k.adaptive)
+    _check(not self.adaptive or self.engine in adaptive, "adaptive",
+           f"adaptive draft length needs an engine of {adaptive}")
     _check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
+    _check(self.max_rows is None or self.max_rows >= 1, "max_rows",
+           f"must be None or >= 1, got {self.max_rows}")
+    _check(self.refill_fraction is None or 0 < self.refill_fraction <= 1, "refill_fraction",
+           f"must be None or in (0, 1], got {self.refill_fraction}")
+    _check(self.refill_overhead_s is None or self.refill_overhead_s >= 0, "refill_overhead_s",
+           f"must be None or >= 0, got {self.refill_overhead_s}")
 
   def replace(self, **kw) -> "Scenario":
     return dataclasses.replace(self, **kw)
@@ -120,7 +169,7 @@ class StepResult:
     d = {k: v for k, v in dataclasses.asdict(self).items() if k != "gen_detail"}
     g = self.gen_detail
     d.update(prefill=g.prefill_s, decode=g.decode_s, decode_steps=g.steps, gen_mp=g.mp,
-             rows_per_replica=g.rows_per_replica, kv_slots=g.slots)
+             rows_per_replica=g.rows_per_replica, kv_slots=g.slots, **g.engine_stats)
     return d
 
 
@@ -132,10 +181,7 @@ def _gen(s: Scenario, gpus: int, mp: int, rows_per_replica: int | None = None
             acceptance_length=s.resolved_acceptance(),
             draft_model=get_model(s.draft_model) if d.needs_draft_model else None,
             rows_per_replica=rows_per_replica, memory_fraction=s.memory_fraction)
-  if s.engine == "specjax":
-    return phases.generation_specjax(model, hw, s.eff, gpus, s.workload, adaptive=s.adaptive,
-                                     min_bucket=s.min_bucket, **kw)
-  return phases.generation(model, hw, s.eff, gpus, s.workload, **kw)
+  return ENGINE_KINDS[s.engine].generate(s, model, hw, gpus, **kw)
 
 
 def _learner(s: Scenario, gpus: int) -> tuple[float, float]:
