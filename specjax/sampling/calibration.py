@@ -28,6 +28,7 @@ class CostTable:
     self._segment: dict[tuple, float] = {}  # ... -> fixed seconds per segment (calibration)
     self._calibrated: dict[tuple, list] = {}  # ... -> [startup seconds per step, steps refined]
     self._prepared: set[tuple] = set()  # keys of runs whose programs are all compiled
+    self._from_line: set[tuple] = set()  # keys whose startup cost came from `line`, not a timing
 
   def program_id(self, program: tuple) -> int:
     return self._program_ids.setdefault(program, len(self._program_ids))
@@ -63,6 +64,27 @@ class CostTable:
       self._calibrated[key] = [slope, 0]
     return self._step[key]
 
+  def has(self, key: tuple) -> bool:
+    return key in self._step
+
+  def line(self, key: tuple, lo: tuple, hi: tuple, frac: float) -> float:
+    """Seconds per step of `key` once it has a cost of its own; until then the point at `frac`
+    on the line through the costs of `lo` and `hi` (both measured): a verify step's cost grows
+    about linearly in K between two measured draft lengths."""
+    if key in self._step:
+      return self._step[key]
+    return self._step[lo] + frac * (self._step[hi] - self._step[lo])
+
+  def start_from_line(self, key: tuple, lo: tuple, hi: tuple, frac: float) -> None:
+    """Give `key` its own cost, taken from `line` (step and segment costs), so the segments that
+    run it refine it from there."""
+    if key in self._step:
+      return
+    self._step[key] = self.line(key, lo, hi, frac)
+    self._segment[key] = self._segment[lo] + frac * (self._segment[hi] - self._segment[lo])
+    self._calibrated[key] = [self._step[key], 0]
+    self._from_line.add(key)
+
   def refine(self, key: tuple, iters: int, seconds: float, memory: float) -> None:
     """Move `key`'s step cost toward what a segment of a rollout measured: the startup
     calibration times a few steps on the prompt's first positions, a rollout's own segments every
@@ -76,13 +98,15 @@ class CostTable:
     self._calibrated[key][1] += iters
 
   def rows(self) -> list[dict]:
-    """[{"bucket", "draft_len", "step_s", "segment_s", "calibrated_step_s", "steps_measured"}]:
-    seconds per step the engine now uses (the startup calibration refined by the segments of
-    later rollouts), the fixed seconds per segment, the startup figure, and how many in-rollout
-    steps refined it."""
+    """[{"bucket", "draft_len", "step_s", "segment_s", "calibrated_step_s", "steps_measured",
+    "from_line"}]: seconds per step the engine now uses (the startup calibration refined by the
+    segments of later rollouts), the fixed seconds per segment, the startup figure, how many
+    in-rollout steps refined it, and whether the startup figure came from `line` rather than a
+    timing."""
     return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": self._segment.get(k),
              "calibrated_step_s": self._calibrated[k][0],
-             "steps_measured": self._calibrated[k][1]} for k, v in self._step.items()]
+             "steps_measured": self._calibrated[k][1], "from_line": k in self._from_line}
+            for k, v in self._step.items()]
 
 
 @dataclasses.dataclass(eq=False)

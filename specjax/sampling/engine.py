@@ -96,6 +96,10 @@ class _Run:
     estimate.decay(engine.estimate_decay)
     self.policy = DraftLenPolicy(k_choices, estimate, engine)
     self.adaptive = self.policy.adaptive  # K is chosen per segment
+    # the K each bucket compiles and times at startup; another K costs the line through 1 and
+    # k_max until a segment runs it
+    self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
+        if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, 1, self.k_max))
     self.segments: list[Segment] = []
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
@@ -113,9 +117,19 @@ class _Run:
   def cost_key(self, bucket: int, k: int) -> tuple:
     return (self.program_id, bucket, k)
 
+  def line_point(self, bucket: int, k: int) -> tuple:
+    """(key of K = 1, key of k_max, fraction): where K lies on the line of `CostTable.line`."""
+    return (self.cost_key(bucket, 1), self.cost_key(bucket, self.k_max),
+            (k - 1) / (self.k_max - 1))
+
   def cost(self, state, bucket: int, k: int, longest: int) -> float:
-    """Seconds per step at (bucket, K), measured on the current state the first time it is asked
-    for (so every K the engine may pick compiles with the calibration, not later in the run)."""
+    """Seconds per step at (bucket, K): for a timed K, measured on the current state the first
+    time it is asked for; for another, its own cost once a segment ran it, else the line through
+    the bucket's timed K = 1 and k_max."""
+    if k not in self.timed_ks:
+      for end in (1, self.k_max):
+        self.cost(state, bucket, end, longest)
+      return self.costs.line(self.cost_key(bucket, k), *self.line_point(bucket, k))
     window = window_for(longest, k, self.engine.window_block, self.cache_size)
 
     def run(m: int) -> int:
@@ -127,17 +141,18 @@ class _Run:
                                 self.engine.calibration_repeats)
 
   def prepare_buckets(self, state, buckets: list[int]) -> None:
-    """Compile every program the run may use now, on the first rows of the prefilled state (the
-    results are discarded): each bucket's segment at every K adaptivity may pick, and compaction's
+    """Compile the programs the run may use now, on the first rows of the prefilled state (the
+    results are discarded): each bucket's segment at every timed K (`timed_ks`), and compaction's
     gather, summary and write-back, so that a bucket the first rollouts never reach does not
-    compile inside a later one: after the first rollout of a run, nothing compiles. The programs
-    compile `compile_threads` at a time (XLA compiles one program on one core, and a run has up to
-    buckets x (K + 1) of them); then (adaptive) each smaller bucket's K are calibrated, one at a
-    time. Programs already compiled, and costs already measured, are reused."""
+    compile inside a later one: after the first rollout of a run, only a K between the timed ones
+    that a segment picks for the first time compiles. The programs compile `compile_threads` at a
+    time (XLA compiles one program on one core); then (adaptive) each smaller bucket's timed K are
+    calibrated, one at a time. Programs already compiled, and costs already measured, are
+    reused."""
     if not self.costs.first_preparation((self.program_id, self.engine, tuple(buckets))):
       return
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
-    ks = self.policy.k_choices if self.adaptive else self.policy.k_choices[:1]
+    ks = self.timed_ks
     # what compaction to bucket b runs: gather from the full batch, summary, write-back
     subs = {buckets[0]: state}
     for b in buckets[1:]:
@@ -204,6 +219,10 @@ class _Run:
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
       max_iters = self.policy.budget(k, j)
+      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
+        # its first segment: compile it first, so the timing below holds only steps
+        jax.block_until_ready(self.segment(state, self.probe_key, bucket, k, window, 0, 0))
+        self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       smaller = [b for b in buckets if b < bucket]
       stop_at_live = smaller[0] if compact and smaller else 0
       t0 = time.perf_counter()

@@ -25,8 +25,12 @@ class EngineConfig:
   first_segment_iters: int = 32  # adaptive: steps before a bucket's first re-decision ...
   max_segment_iters: int = 256  # ... doubling per segment up to this
   estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
-  calibration_iters: int = 3  # n: segments of n and 2n timed steps per (bucket, K) at startup ...
-  calibration_repeats: int = 3  # ... timed this many times, the fastest kept (load noise)
+  calibration_iters: int = 2  # n: segments of n and 2n timed steps per (bucket, K) at startup ...
+  calibration_repeats: int = 2  # ... timed this many times, the fastest kept (load noise)
+  # adaptive: the K per bucket compiled and timed at startup are 0, 1 and the largest; a K in
+  # between costs the line through K = 1 and the largest until a segment runs it (then it
+  # compiles, outside the timing, and its own segments refine its cost). True: all of them
+  calibrate_every_k: bool = False
   # in-run refinement: each segment's measured seconds per step move its (bucket, K) cost toward
   # them with weight iterations / (iterations + cost_memory) (0: keep the startup calibration)
   cost_memory: float = 64.0
