@@ -76,6 +76,10 @@ class RolloutConfig:
   compaction: bool = _ENGINE.compaction
   min_bucket: int = _ENGINE.min_bucket
   window_block: int = _ENGINE.window_block
+  # slots: rows generated at once (0: the whole step's rows); more rows queue and are admitted
+  # into the slots of finished ones, refill_fraction of the slots at a time
+  max_rows: int = _ENGINE.max_rows
+  refill_fraction: float = _ENGINE.refill_fraction
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -89,6 +93,10 @@ class RolloutConfig:
     _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
     _check(self.min_bucket >= 1, f"{w}.min_bucket", f"must be >= 1, got {self.min_bucket}")
     _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
+    _check(self.max_rows >= 0, f"{w}.max_rows", f"must be >= 0 (0: every row at once), got "
+           f"{self.max_rows}")
+    _check(0 < self.refill_fraction <= 1, f"{w}.refill_fraction",
+           f"must be in (0, 1], got {self.refill_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,8 @@ def engine_config(cfg: RLConfig) -> EngineConfig:
   """The rollout engine's settings from the run's config (compaction, window, adaptive K; the
   largest K is resolved by `speculative_generate`)."""
   r, d = cfg.rollout, cfg.draft
-  return EngineConfig(compaction=r.compaction, min_bucket=r.min_bucket,
+  return EngineConfig(max_rows=r.max_rows, refill_fraction=r.refill_fraction,
+                      compaction=r.compaction, min_bucket=r.min_bucket,
                       window_block=r.window_block, adaptive=d.adaptive,
                       max_draft_len=d.max_draft_len)
 

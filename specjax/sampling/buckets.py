@@ -58,3 +58,18 @@ def window_for(longest: int, draft_len: int, block: int, cache_size: int) -> int
   while w < longest + draft_len + 1:
     w *= 2
   return 0 if w >= cache_size else w
+
+
+def queue_slots(batch: int, max_rows: int, group: int, dp: int,
+                refill_fraction: float) -> tuple[int, int]:
+  """(slots, refill): rows stepped at once and rows admitted per refill, both whole prompt
+  groups spread evenly over the data-parallel size (`group * dp` rows at a time). No queue
+  (slots = batch) when `max_rows` is 0 or holds the batch."""
+  unit = group * dp
+  if not max_rows or max_rows >= batch:
+    return batch, batch
+  slots = max(max_rows // unit, 1) * unit
+  if slots >= batch:
+    return batch, batch
+  refill = min(-(-int(math.ceil(slots * refill_fraction)) // unit) * unit, slots)
+  return slots, refill

@@ -20,12 +20,13 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import struct
 
 from specjax.sampling.adaptive import DraftLenPolicy
 from specjax.sampling.calibration import EngineTuning
 from specjax.sampling.core import Rollout, SamplingConfig, finish
 from specjax.sampling.buckets import (bucket_sizes, data_parallel_size, prompt_group,
-                                      window_for)
+                                      queue_slots, window_for)
 from specjax.sampling.drafter import Drafter
 from specjax.sampling.engine_config import EngineConfig, Segment
 from specjax.sampling.metrics import AcceptanceCounts
@@ -63,15 +64,48 @@ def _summary(state: EngineState):
 
 @jax.jit
 def _write_back(out: EngineState, state: EngineState) -> EngineState:
-  """Rows of a bucket state back into the full-batch state at their row ids (padding dropped)."""
-  idx = jnp.where(state.row_ids >= 0, state.row_ids, out.done.shape[0])
+  """Rows of a bucket state back into the full-size state at their slots (padding dropped)."""
+  idx = jnp.where(state.row_ids >= 0, state.slots, out.done.shape[0])
   return jax.tree.map(lambda o, s: o.at[idx].set(s, mode="drop"), out, state)
 
 
+@struct.dataclass
+class Results:
+  """What the engine keeps of each of the caller's rows once it is done (the slots move on)."""
+
+  tokens: jax.Array  # int32[B, N + Kmax + 1]
+  logprobs: jax.Array  # float32[B, N + Kmax + 1]
+  lengths: jax.Array  # int32[B]
+  counts: AcceptanceCounts  # per row
+
+
+@jax.jit
+def _harvest(results: Results, state: EngineState) -> tuple[Results, EngineState]:
+  """Finished rows of a full-size state into the caller's rows of `results`; their slots are
+  then free (row id -1)."""
+  take = state.done & (state.row_ids >= 0)
+  idx = jnp.where(take, state.row_ids, results.lengths.shape[0])
+  mine = Results(tokens=state.tokens, logprobs=state.logprobs, lengths=state.lengths,
+                 counts=state.counts)
+  results = jax.tree.map(lambda r, x: r.at[idx].set(x, mode="drop"), results, mine)
+  return results, state.replace(row_ids=jnp.where(take, -1, state.row_ids))
+
+
+@jax.jit
+def _admit(state: EngineState, new: EngineState, slots: jax.Array,
+           row_ids: jax.Array) -> EngineState:
+  """Prefilled rows `new` into the free `slots` of a full-size state as the caller's `row_ids`
+  (-1: a padding row past the end of the queue, dropped)."""
+  idx = jnp.where(row_ids >= 0, slots, state.done.shape[0])
+  new = new.replace(row_ids=row_ids, slots=slots)
+  return jax.tree.map(lambda o, s: o.at[idx].set(s, mode="drop"), state, new)
+
+
 def compiled_programs() -> int:
-  """Programs the engine has compiled in this process (prefills, segments, and compaction's
-  gathers, summaries and write-backs)."""
-  return sum(f._cache_size() for f in (_init_jit, _segment_jit, _take_jit, _summary, _write_back))
+  """Programs the engine has compiled in this process (prefills, segments, compaction's
+  gathers, summaries and write-backs, and the queue's harvests and admissions)."""
+  return sum(f._cache_size() for f in (_init_jit, _segment_jit, _take_jit, _summary, _write_back,
+                                       _harvest, _admit))
 
 
 class _Run:
@@ -140,7 +174,7 @@ class _Run:
     return self.costs.step_cost(self.cost_key(bucket, k), run, self.engine.calibration_iters,
                                 self.engine.calibration_repeats)
 
-  def prepare_buckets(self, state, buckets: list[int]) -> None:
+  def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
     """Compile the programs the run may use now, on the first rows of the prefilled state (the
     results are discarded): each bucket's segment at every timed K (`timed_ks`), and compaction's
     gather, summary and write-back, so that a bucket the first rollouts never reach does not
@@ -148,8 +182,9 @@ class _Run:
     that a segment picks for the first time compiles. The programs compile `compile_threads` at a
     time (XLA compiles one program on one core); then (adaptive) each smaller bucket's timed K are
     calibrated, one at a time. Programs already compiled, and costs already measured, are
-    reused."""
-    if not self.costs.first_preparation((self.program_id, self.engine, tuple(buckets))):
+    reused. `queue_jobs` compile the queue's admission programs alongside."""
+    if not self.costs.first_preparation((self.program_id, self.engine, tuple(buckets),
+                                         len(queue_jobs))):
       return
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
     ks = self.timed_ks
@@ -158,6 +193,7 @@ class _Run:
     for b in buckets[1:]:
       subs[b] = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
     jobs = [lambda s=subs[b]: (_summary(s), _write_back(state, s)) for b in buckets[1:]]
+    jobs += list(queue_jobs)
     for b in buckets:
       for k in ks:
         window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
@@ -174,24 +210,58 @@ class _Run:
         for k in ks:
           self.cost(subs[b], b, k, prompt_len)
 
+  def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
+    drafter = None if self.drafter is None else \
+        dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
+    return _init_jit(self.graphdef, self.params, drafter, self.drafter_params, prompts,
+                     prompt_lengths, key, cfg=self.cfg, cache_size=self.cache_size,
+                     max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group)
+
   def run(self, prompts, prompt_lengths, key) -> Rollout:
     batch = prompts.shape[0]
     dp = data_parallel_size(self.mesh)
-    compact = self.engine.compaction and (self.drafter is None or self.drafter.row_local)
-    buckets = bucket_sizes(batch, dp, self.engine.min_bucket, self.engine.max_buckets) \
-        if compact else bucket_sizes(batch, dp, batch)
-    init_drafter = None if self.drafter is None else \
-        dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
     group = prompt_group(prompts, prompt_lengths, dp) if self.engine.share_prefill else 1
+    # a queue: `slots` rows step at once, `refill` waiting rows are admitted at a time
+    queue_ok = self.drafter is None or self.drafter.row_local
+    slots, refill = queue_slots(batch, self.engine.max_rows if queue_ok else 0, group, dp,
+                                self.engine.refill_fraction)
+    compact = self.engine.compaction and queue_ok
+    buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
+        if compact else bucket_sizes(slots, dp, slots)
     key_prefill, key_loop = jax.random.split(key)
     # calibration and bucket preparation run segments with a key of the caller's kind (a typed
     # key or raw uint32[2]: they are different programs), so they compile what the run uses
     self.probe_key = jax.random.fold_in(key_loop, 2**31 - 1)
-    state = _init_jit(self.graphdef, self.params, init_drafter, self.drafter_params, prompts,
-                      prompt_lengths, key_prefill, cfg=self.cfg, cache_size=self.cache_size,
-                      max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group)
-    self.prepare_buckets(state, buckets)
-    out, bucket, total_steps = state, batch, 0
+    state = self.prefill(prompts[:slots], prompt_lengths[:slots], key_prefill, group)
+    width = state.tokens.shape[1]
+    results = Results(tokens=jnp.zeros((batch, width), jnp.int32),
+                      logprobs=jnp.zeros((batch, width), jnp.float32),
+                      lengths=jnp.zeros((batch,), jnp.int32),
+                      counts=AcceptanceCounts.zeros(state.counts.draft_len, batch))
+    queue = np.arange(slots, batch)  # the caller's rows still waiting, in order
+    admissions = 0
+
+    def admit(state, free_slots):
+      """Prefill the next `refill` waiting rows (padding past the queue's end) into free slots."""
+      nonlocal queue, admissions
+      rows = queue[:refill]
+      queue = queue[refill:]
+      take = np.concatenate([rows, np.full(refill - len(rows), rows[-1])]).astype(np.int32)
+      ids = np.concatenate([rows, np.full(refill - len(rows), -1)]).astype(np.int32)
+      admissions += 1
+      new = self.prefill(prompts[take], prompt_lengths[take],
+                         jax.random.fold_in(key_prefill, admissions), group)
+      return _admit(state, new, jnp.asarray(free_slots[:refill], jnp.int32), jnp.asarray(ids))
+
+    queue_jobs = ()
+    if len(queue):  # the admission programs compile with the others (results discarded)
+      probe_rows = jnp.arange(refill, dtype=jnp.int32)
+      queue_jobs = (lambda: _harvest(results, state),
+                    lambda: _admit(state, self.prefill(prompts[:refill], prompt_lengths[:refill],
+                                                       key_prefill, group),
+                                   probe_rows, probe_rows))
+    self.prepare_buckets(state, buckets, queue_jobs)
+    out, bucket, total_steps = state, slots, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
     last_k = {}
     # one host round trip per segment: the summary after a segment is the next one's "before"
@@ -199,14 +269,27 @@ class _Run:
     while True:
       live_mask, seq_lengths, tokens_before, drafts0, acc0, row_ids = summary
       live = int(live_mask.sum())
+      while len(queue) and slots - live >= refill:  # admit waiting rows into free slots
+        results, state = _harvest(results, state)
+        while len(queue) and slots - live >= refill:
+          free = np.flatnonzero(np.asarray(jax.device_get(state.row_ids)) < 0)
+          state = admit(state, free)
+          live += refill
+        out = state
+        # (an admitted row can be done at once: its first token ended it)
+        summary = jax.device_get(_summary(state))
+        live_mask, seq_lengths, tokens_before, drafts0, acc0, row_ids = summary
+        live = int(live_mask.sum())
       if live == 0:
         break
       fits = [b for b in buckets if b >= live]
-      if compact and fits[-1] < bucket:  # gather the live rows into the smallest bucket
-        # from the full batch (brought up to date first): one gather program per bucket, which
-        # `prepare_buckets` compiles, whichever bucket the rows come from
+      if compact and not len(queue) and fits[-1] < bucket:
+        # gather the live rows into the smallest bucket, from the full-size state (brought up
+        # to date first): one gather program per bucket, which `prepare_buckets` compiles,
+        # whichever bucket the rows come from
         out = _write_back(out, state)
-        rows = row_ids[np.flatnonzero(live_mask)]
+        home = np.asarray(jax.device_get(state.slots))
+        rows = home[np.flatnonzero(live_mask)]
         new = fits[-1]
         idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
         pad = np.arange(new) >= live
@@ -223,8 +306,11 @@ class _Run:
         # its first segment: compile it first, so the timing below holds only steps
         jax.block_until_ready(self.segment(state, self.probe_key, bucket, k, window, 0, 0))
         self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
-      smaller = [b for b in buckets if b < bucket]
-      stop_at_live = smaller[0] if compact and smaller else 0
+      if len(queue):  # return once `refill` slots are free
+        stop_at_live = slots - refill
+      else:
+        smaller = [b for b in buckets if b < bucket]
+        stop_at_live = smaller[0] if compact and smaller else 0
       t0 = time.perf_counter()
       state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
                                   bucket, k, window, max_iters, stop_at_live)
@@ -244,11 +330,12 @@ class _Run:
                                    expected_tokens_per_s=expected,
                                    drafter_retired=self.policy.retired))
     out = _write_back(out, state)
+    results, _ = _harvest(results, out)
     stats = None
     if self.drafter is not None:
-      stats = out.counts if self.k_max >= 1 else AcceptanceCounts.zeros(1, batch)
-    rollout = _finish_jit(prompts, prompt_lengths, out.tokens, out.logprobs, out.lengths,
-                          self.cfg, jnp.int32(total_steps), stats)
+      stats = results.counts if self.k_max >= 1 else AcceptanceCounts.zeros(1, batch)
+    rollout = _finish_jit(prompts, prompt_lengths, results.tokens, results.logprobs,
+                          results.lengths, self.cfg, jnp.int32(total_steps), stats)
     return rollout.replace(segments=tuple(self.segments))
 
 

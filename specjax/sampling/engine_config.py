@@ -12,6 +12,12 @@ class EngineConfig:
   """How the engine runs a batch. Hashable. `STATIC` is the plain loop: full batch, whole cache,
   fixed K, one segment."""
 
+  # slots: rows stepped at once; a longer batch is a queue, admitted into slots as rows finish
+  # (0: every row at once)
+  max_rows: int = 0
+  # a segment returns to admit waiting rows once this fraction of the slots is free (rounded up
+  # to whole prompt groups); each admission is one prefill of that many rows
+  refill_fraction: float = 0.125
   compaction: bool = True  # gather live rows into the next bucket when they fit
   min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
   max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
@@ -46,6 +52,10 @@ class EngineConfig:
     def check(ok, field, msg):
       if not ok:
         raise ValueError(f"EngineConfig.{field}: {msg}")
+    check(self.max_rows >= 0, "max_rows", f"must be >= 0 (0: every row at once), got "
+          f"{self.max_rows}")
+    check(0 < self.refill_fraction <= 1, "refill_fraction",
+          f"must be in (0, 1], got {self.refill_fraction}")
     check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
     check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
     check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")

@@ -33,7 +33,8 @@ class EngineState:
   logprobs: jax.Array  # float32[b, N + Kmax + 1]
   lengths: jax.Array  # int32[b] completion lengths
   done: jax.Array  # bool[b]
-  row_ids: jax.Array  # int32[b] the row of the caller's batch; -1 marks a padding slot
+  row_ids: jax.Array  # int32[b] the row of the caller's batch; -1 marks a padding or free slot
+  slots: jax.Array  # int32[b] the row's slot in the engine's full-size state (compaction's home)
   drafter_state: Any
   counts: AcceptanceCounts  # per row, Kmax positions
 
@@ -119,7 +120,7 @@ def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompt
       tokens=jnp.zeros((batch, width_out), jnp.int32).at[:, 0].set(first),
       logprobs=jnp.zeros((batch, width_out), jnp.float32).at[:, 0].set(first_lp),
       lengths=jnp.ones((batch,), jnp.int32), done=is_eos(first, cfg.eos_ids) | (n == 1),
-      row_ids=rows.astype(jnp.int32), drafter_state=dstate,
+      row_ids=rows.astype(jnp.int32), slots=rows.astype(jnp.int32), drafter_state=dstate,
       counts=AcceptanceCounts.zeros(max(max_draft_len, 1), batch))
   return constrain(state, mesh)
 

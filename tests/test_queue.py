@@ -1,0 +1,187 @@
+"""The engine as a queue: more rows than slots; finished rows' slots take waiting rows between
+segments. What it emits is what the plain loop emits (greedy: token for token; temperature 1: in
+distribution, every row keeping its own prompt's distribution), in the caller's row order."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import stats
+from specjax.drafters import DraftModelDrafter, NgramDrafter
+from specjax.models import Decoder, ModelConfig
+from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
+                              speculative_generate)
+from specjax.sampling import engine as eng
+from specjax.sampling.buckets import queue_slots
+from specjax.sampling.metrics import AcceptanceMetrics
+from specjax.sharding import MeshConfig, make_mesh, shard_model
+
+CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=16, mlp_hidden=64, init_std=0.5)
+_rng = np.random.default_rng(5)
+# 24 ragged prompts; greedy lengths 1..24 (several rows end at their first token, so an admitted
+# row can be done at once)
+PROMPTS = jnp.asarray(_rng.integers(1, 32, (24, 6)), jnp.int32)
+PROMPT_LENGTHS = jnp.asarray(_rng.integers(1, 7, 24), jnp.int32)
+GREEDY = SamplingConfig(max_new_tokens=24, temperature=0.0, eos_ids=(1, 2))
+
+
+@pytest.fixture(scope="module")
+def target():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def static_ar(target):
+  return generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
+
+
+def assert_same_rollout(a, b):
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.sequences, b.sequences)
+  np.testing.assert_array_equal(a.eos, b.eos)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_the_fixture_has_long_tailed_lengths_and_rows_done_at_once(static_ar):
+  lengths = np.asarray(static_ar.lengths)
+  assert lengths.min() == 1 and lengths.max() == 24 and (lengths == 1).sum() >= 4
+
+
+@pytest.mark.parametrize("max_rows,refill", [(8, 0.25), (4, 0.25), (8, 1.0)])
+def test_greedy_queue_equals_the_plain_loop(target, static_ar, max_rows, refill):
+  engine = EngineConfig(max_rows=max_rows, refill_fraction=refill, window_block=8)
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=engine)
+  assert_same_rollout(out, static_ar)
+  # the slots stayed full while rows waited: every segment before the drain started with all of
+  # them but fewer than a refill's worth
+  slots, per_refill = queue_slots(24, max_rows, 1, 1, refill)
+  assert max(s.bucket for s in out.segments) == slots
+  assert len(out.segments) > 24 // slots
+  assert out.segments[0].live_rows_start > slots - per_refill
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_greedy_speculative_queue_equals_the_plain_loop(target, static_ar, kind):
+  if kind == "draft_model":  # a copy of the target: every draft accepted, EOS inside windows
+    drafter, params = DraftModelDrafter.from_model(target, 3)
+  else:
+    drafter, params = NgramDrafter(draft_len=3, n=2), ()
+  engine = EngineConfig(max_rows=8, refill_fraction=0.25)
+  out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                             GREEDY, engine=engine)
+  assert_same_rollout(out, static_ar)
+  assert any(s.draft_len > 0 for s in out.segments)
+  # acceptance counts come back per caller row: a row's drafts are at most its steps
+  drafts = np.asarray(out.stats.num_drafts)
+  assert drafts.shape == (24,) and drafts.sum() > 0
+  assert np.all(drafts <= np.maximum(np.asarray(static_ar.lengths) - 1, 0))
+
+
+def test_queue_admits_whole_groups_and_shares_their_prefill(target):
+  """GRPO groups (4 samples of each of 6 prompts) are admitted whole; sharing each group's
+  prefill changes nothing the rows emit."""
+  prompts = jnp.repeat(PROMPTS[:6], 4, axis=0)
+  lengths = jnp.repeat(PROMPT_LENGTHS[:6], 4)
+  cfg = dataclasses.replace(GREEDY, temperature=1.0)
+  # (refills of 4 rows either way, so both runs admit at the same steps and draw the same keys)
+  run = lambda share: generate(target, prompts, lengths, jax.random.key(3), cfg,
+                               engine=EngineConfig(max_rows=8, refill_fraction=0.5,
+                                                   share_prefill=share))
+  assert queue_slots(24, 8, 4, 1, 0.5) == queue_slots(24, 8, 1, 1, 0.5) == (8, 4)
+  assert_same_rollout(run(True), run(False))
+
+
+def test_queue_slots_are_whole_groups_over_the_data_parallel_size():
+  assert queue_slots(64, 0, 4, 1, 0.125) == (64, 64)  # no queue
+  assert queue_slots(64, 64, 4, 1, 0.125) == (64, 64)
+  assert queue_slots(64, 16, 1, 1, 0.125) == (16, 2)
+  assert queue_slots(64, 16, 4, 1, 0.125) == (16, 4)  # a refill is at least one group
+  assert queue_slots(64, 18, 4, 2, 0.125) == (16, 8)  # ... on each data-parallel replica
+  assert queue_slots(64, 3, 4, 2, 0.5) == (8, 8)  # at least one group per replica
+  with pytest.raises(ValueError, match="EngineConfig.max_rows"):
+    EngineConfig(max_rows=-1)
+  with pytest.raises(ValueError, match="EngineConfig.refill_fraction"):
+    EngineConfig(refill_fraction=0.0)
+
+
+def test_after_the_first_queued_rollout_nothing_compiles(target):
+  engine = EngineConfig(max_rows=8, refill_fraction=0.25, adaptive=False)
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  tuning = EngineTuning()
+  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
+                           engine=engine, tuning=tuning)
+  jax.block_until_ready(run(0).tokens)
+  before = eng.compiled_programs()
+  for i in range(1, 4):
+    jax.block_until_ready(run(i).tokens)
+  assert eng.compiled_programs() == before
+
+
+def test_sharded_queue_equals_one_device(target, static_ar):
+  mesh = make_mesh(MeshConfig(2, 1, 4))
+  sharded = shard_model(nnx.clone(target), mesh)
+  engine = EngineConfig(max_rows=8, refill_fraction=0.25)
+  out = speculative_generate(sharded, NgramDrafter(draft_len=2, n=2), (), PROMPTS,
+                             PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=engine)
+  assert_same_rollout(out, static_ar)
+  assert all(s.bucket % 2 == 0 for s in out.segments)
+
+
+# -- temperature 1: a queued rollout is distributed as the plain loop's ---------------------------
+
+ROWS = 4096
+SAMPLE = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_ids=(5,))
+POSITIONS = (0, 1, 2, 3)
+ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test of each arm
+
+
+def stat_prompts():
+  """Two ragged prompts alternating over the rows (the second repeats itself for the n-gram)."""
+  a = jnp.array([3, 7, 3, 7, 3, 7, 3, 7])
+  b = jnp.array([9, 4, 11, 9, 4, 0, 0, 0])
+  prompts = jnp.where((jnp.arange(ROWS) % 2 == 0)[:, None], a, b).astype(jnp.int32)
+  return prompts, jnp.where(jnp.arange(ROWS) % 2 == 0, 8, 5).astype(jnp.int32)
+
+
+def categories(out) -> np.ndarray:
+  """int[B, N]: (prompt kind, token) per position; finished positions are token V (end). A row
+  that came back in another row's place shows up as the other prompt's distribution."""
+  v = CFG.vocab_size
+  tok = np.where(np.asarray(out.mask), np.asarray(out.tokens), v)
+  return tok + (v + 1) * (np.arange(ROWS) % 2)[:, None]
+
+
+@pytest.fixture(scope="module")
+def plain_samples(target):
+  prompts, lengths = stat_prompts()
+  return generate(target, prompts, lengths, jax.random.key(10), SAMPLE, engine=STATIC)
+
+
+@pytest.mark.parametrize("kind", ["ar", "ngram"])
+def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, plain_samples,
+                                                                      kind):
+  prompts, lengths = stat_prompts()
+  engine = EngineConfig(max_rows=512, refill_fraction=0.125, max_buckets=2,
+                        calibration_repeats=1)
+  if kind == "ar":
+    out = generate(target, prompts, lengths, jax.random.key(20), SAMPLE, engine=engine)
+  else:
+    out = speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), prompts, lengths,
+                               jax.random.key(20), SAMPLE, engine=engine)
+    accepted = AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens
+    assert accepted > ROWS // 8, f"too few accepted drafts ({accepted}) to be a test"
+  assert len(out.segments) > ROWS // 512  # the queue refilled
+  a, b = categories(plain_samples), categories(out)
+  num_cats = 2 * (CFG.vocab_size + 1)
+  alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
+  for j in POSITIONS:
+    stats.assert_two_sample_same(a[:, j], b[:, j], num_cats, alpha, what=f"{kind} position {j}")
+  stats.assert_two_sample_same(stats.pair_index(a[:, 1], a[:, 2], num_cats),
+                               stats.pair_index(b[:, 1], b[:, 2], num_cats), num_cats ** 2,
+                               alpha, what=f"{kind} positions (1, 2)")
