@@ -2,6 +2,7 @@
 the head on a tiny target's rollouts, and the orbax checkpoint of the head."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -15,7 +16,10 @@ from specjax.sampling import SamplingConfig
 
 CFG = tiny_random_config()
 SAMPLING = SamplingConfig(max_new_tokens=16, temperature=1.0)
-TRAIN = DraftTrainConfig(steps=80, batch_size=16, lr=3e-3, warmup_steps=5,
+# 300 steps (the trainer's default): at 80 the head's held-out loss is still above the best
+# context-free draft's on every rollout draw measured (it is mostly undoing its random init), and
+# its agreement gain fell under +0.1 at step 0 on 2 draws of 12
+TRAIN = DraftTrainConfig(steps=300, batch_size=16, lr=3e-3, warmup_steps=5,
                          draft_vocab=24)
 
 
@@ -95,9 +99,23 @@ def trained(target):
   return result, held_out
 
 
-@pytest.mark.xfail(strict=False, reason="regressed (step-0 agreement 0.028 -> 0.113, "
-                   "the bar is +0.1; the TTT loss still halves); not caused by the engine's "
-                   "rollouts (fails with engine=STATIC too); to bisect")
+def _context_free_losses(target, rollouts, maps, num_steps):
+  """Per step: the least TTT loss any draft that ignores its inputs can reach on `rollouts`, the
+  entropy of the mean target distribution over the positions step i counts (and their count)."""
+  logits = np.asarray(target(jnp.asarray(rollouts.tokens)).logits, np.float64)
+  d2t, t2d = np.asarray(maps.d2t), np.asarray(maps.t2d)
+  p = np.exp(logits[..., d2t] - logits[..., d2t].max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  out = []
+  for i in range(num_steps):  # step i is taught the target at j = t + 1 + i, weight mask[j + 1]
+    weight = np.zeros_like(rollouts.loss_mask)
+    weight[:, 1 + i:-1] = rollouts.loss_mask[:, 2 + i:]
+    weight &= t2d[logits.argmax(-1)].astype(bool)
+    mean = p[weight].mean(0)
+    out.append((-(mean * np.log(mean)).sum(), int(weight.sum())))
+  return out
+
+
 def test_ttt_loss_decreases_and_per_step_agreement_rises_when_training_on_target_rollouts(
     target, trained):
   result, held_out = trained
@@ -106,9 +124,14 @@ def test_ttt_loss_decreases_and_per_step_agreement_rises_when_training_on_target
   untrained = Eagle3Head(HeadConfig(CFG, 24), rngs=nnx.Rngs(TRAIN.seed))
   before = eval_ttt(target, untrained, result.maps, held_out)
   after = eval_ttt(target, result.head, result.maps, held_out)
-  for i in range(TRAIN.ttt_steps):
+  context_free = _context_free_losses(target, held_out, result.maps, TRAIN.ttt_steps)
+  for i, (floor, count) in enumerate(context_free):
     assert after[f"acc_{i}"] > before[f"acc_{i}"] + 0.1, (i, before, after)
     assert after[f"loss_{i}"] < before[f"loss_{i}"]
+    # the head uses its context: a head trained on shuffled targets (which learns the marginal)
+    # halves the loss too, but cannot go below this floor
+    assert int(after[f"positions_{i}"]) == count
+    assert after[f"loss_{i}"] < floor, (i, floor, after)
   assert after["acc_0"] > 3 * before["acc_0"]
 
 

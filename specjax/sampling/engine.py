@@ -305,6 +305,7 @@ class _Run:
       if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
         # its first segment: compile it first, so the timing below holds only steps
         jax.block_until_ready(self.segment(state, self.probe_key, bucket, k, window, 0, 0))
+        self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
         self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       if len(queue):  # return once `refill` slots are free
         stop_at_live = slots - refill
