@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from bench_io import write_json
+
 ARMS = ("ar", "spec", "spec_every_k")
 
 
@@ -110,14 +112,6 @@ def child(a: argparse.Namespace) -> dict:
           "programs_compiled": programs[0], "second_programs_compiled": programs[1],
           "timed_costs": sum(not r["from_line"] for r in tuning.calibration_table()),
           "segments": [(s.bucket, s.draft_len, s.iterations) for s in out.segments]}
-
-
-def write_json(path: str, obj: dict) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-  with os.fdopen(fd, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
 
 
 def main(argv=None) -> None:

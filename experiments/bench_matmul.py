@@ -42,6 +42,8 @@ import sys
 import tempfile
 import time
 
+from bench_io import write_json
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 28
 D, Q, KV, MLP = 1024, 2048, 1024, 3072  # hidden, q width (16 x 128), k or v width (8 x 128), MLP
@@ -91,19 +93,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.torch_gomp = not a.quick
   a.xla_options = [] if a.no_xla_options else (a.xla_option or XLA_OPTIONS)
   return a
-
-
-def write_json(path: str, obj) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=1, default=float)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def host_weights(form: str, seed: int = 0):

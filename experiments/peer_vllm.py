@@ -43,6 +43,8 @@ import sysconfig
 import tempfile
 import time
 
+from bench_io import write_json
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name -> Qwen3 dimensions (tied embeddings)
@@ -109,20 +111,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error("--max-tokens must be >= 4")
   a.out = a.out or os.path.join(a.out_dir, f"peer_vllm_{a.shape}.json")
   return a
-
-
-def write_json(path: str, obj) -> None:
-  """Atomic: a temp file in the same folder, then os.replace."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
-  try:
-    with os.fdopen(fd, "w") as f:
-      json.dump(obj, f, indent=1, default=float)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.remove(tmp)
-    raise
 
 
 def log(msg: str) -> None:

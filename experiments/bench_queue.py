@@ -1,0 +1,198 @@
+"""The engine on a GRPO-shaped queue: more rows than slots, long-tailed lengths. Does keeping the
+slots full (continuous batching) beat running the queue in waves?
+
+  python experiments/bench_queue.py --quick     # 32 prompts x G=4, 16 slots, max_new 256
+  python experiments/bench_queue.py             # 64 prompts x G=4, 32 slots
+  python experiments/bench_queue.py --layers 24 # a deeper target
+
+Workload and target as in `bench_engine.py` (a synthetic Markov language, a target whose LM head
+is fitted to it, an EOS set chosen so completion lengths are long-tailed: 10th/50th/90th
+percentile near 10/25/100% of max_new_tokens), temperature 1. Arms (same prompts; every arm runs
+once untimed, then --repeats interleaved rounds):
+  waves            AR, the queue cut into batches of `--slots` rows, one `generate` call each (the
+                   engine without a queue: each batch waits for its longest row, compaction in
+                   its tail)
+  continuous       AR, one call, EngineConfig(max_rows=slots): finished rows' slots take waiting
+                   rows between segments
+  waves_spec       speculative in waves (draft model: the target's first --draft-layers layers)
+  continuous_spec  speculative, one call with the queue, adaptive K
+Tokens/s counts completion tokens. Prints a table, writes JSON (`arms.<arm>.tokens_per_s`,
+paired per-round ratios, the acceptance length and the K the engine chose). Asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import bench_engine as be  # noqa: E402
+from bench_io import write_json  # noqa: E402
+from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
+from specjax.models import Decoder  # noqa: E402
+from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
+                              SamplingConfig, generate, speculative_generate)
+
+ARMS = ("waves", "continuous", "waves_spec", "continuous_spec")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="32 prompts, 16 slots, 2 rounds")
+  p.add_argument("--hidden", type=int, default=512)
+  p.add_argument("--layers", type=int, default=8)
+  p.add_argument("--heads", type=int, default=8)
+  p.add_argument("--kv-heads", type=int, default=4)
+  p.add_argument("--head-dim", type=int, default=64)
+  p.add_argument("--vocab", type=int, default=512)
+  p.add_argument("--embed-scale", type=float, default=25.0)
+  p.add_argument("--layer-scale", type=float, default=0.25)
+  p.add_argument("--head-fit-steps", type=int, default=200)
+  p.add_argument("--prompts", type=int, default=None, help="64 (--quick: 32)")
+  p.add_argument("--group", type=int, default=4)
+  p.add_argument("--slots", type=int, default=None, help="32 (--quick: 16)")
+  p.add_argument("--refill-fraction", type=float, default=EngineConfig.refill_fraction)
+  p.add_argument("--prompt-len", type=int, default=32)
+  p.add_argument("--max-new", type=int, default=256)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--median-frac", type=float, default=0.25)
+  p.add_argument("--draft-len", type=int, default=4, help="largest K")
+  p.add_argument("--draft-layers", type=int, default=1)
+  p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  p.add_argument("--repeats", type=int, default=None, help="3 (--quick: 2)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--out", default="runs/bench_queue.json")
+  a = p.parse_args(argv)
+  quick = dict(prompts=32, slots=16, repeats=2) if a.quick else dict(prompts=64, slots=32,
+                                                                      repeats=3)
+  for k, v in quick.items():
+    if getattr(a, k) is None:
+      setattr(a, k, v)
+  a.target, a.init_std = "markov", 0.02
+  return a
+
+
+def main(argv=None) -> dict:
+  a = parse_args(argv)
+  log = lambda s: print(s, flush=True)
+  t_start = time.perf_counter()
+  cfg_m = be.model_config(a, a.init_std)
+  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
+  rng = np.random.default_rng(a.seed)
+  a.language = be.MarkovLanguage(a.vocab, a.seed)
+  target.embed[...] = target.embed[...] * a.embed_scale
+  for layer in target.layers:
+    layer.attn.o_proj[...] = layer.attn.o_proj[...] * a.layer_scale
+    layer.mlp.down[...] = layer.mlp.down[...] * a.layer_scale
+  be.fit_head(target, a.language, rng, a.head_fit_steps, log)
+  eos, quantiles = be.choose_eos(a, target, rng)
+  cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
+  prompts, lens = be.make_prompts(a, rng, a.prompts)
+  rows = prompts.shape[0]
+  log(f"target {cfg_m.num_params() / 1e6:.1f}M parameters; queue {a.prompts} prompts x "
+      f"G={a.group} = {rows} rows, {a.slots} slots, max_new {a.max_new}; EOS set of {len(eos)} "
+      f"(length quantiles / max_new on a choice sample: {quantiles})")
+  drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, a.draft_layers),
+                                                  draft_len=a.draft_len)
+  tunings = collections.defaultdict(EngineTuning)
+  queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction)
+  plain = EngineConfig()
+
+  def waves(i: int, spec: bool):
+    outs = []
+    for w in range(0, rows, a.slots):
+      key = jax.random.fold_in(jax.random.key(i), w)
+      p, n = prompts[w:w + a.slots], lens[w:w + a.slots]
+      if spec:
+        outs.append(speculative_generate(target, drafter, dparams, p, n, key, cfg, engine=plain,
+                                         tuning=tunings["waves_spec"]))
+      else:
+        outs.append(generate(target, p, n, key, cfg, engine=plain, tuning=tunings["waves"]))
+    return outs
+
+  def continuous(i: int, spec: bool):
+    key = jax.random.key(i)
+    if spec:
+      return [speculative_generate(target, drafter, dparams, prompts, lens, key, cfg,
+                                   engine=queue, tuning=tunings["continuous_spec"])]
+    return [generate(target, prompts, lens, key, cfg, engine=queue,
+                     tuning=tunings["continuous"])]
+
+  fns = {"waves": lambda i: waves(i, False), "continuous": lambda i: continuous(i, False),
+         "waves_spec": lambda i: waves(i, True), "continuous_spec": lambda i: continuous(i, True)}
+  fns = {k: fns[k] for k in a.arms}
+  first, runs = {}, {k: {"seconds": [], "tokens": []} for k in fns}
+  for name, fn in fns.items():
+    t0 = time.perf_counter()
+    jax.block_until_ready([o.tokens for o in fn(0)])
+    first[name] = time.perf_counter() - t0
+    log(f"  {name}: first call (compiles, calibrates) {first[name]:.1f} s")
+  last = {}
+  for r in range(a.repeats):
+    for name, fn in fns.items():
+      t0 = time.perf_counter()
+      outs = fn(r + 1)
+      jax.block_until_ready([o.tokens for o in outs])
+      runs[name]["seconds"].append(time.perf_counter() - t0)
+      runs[name]["tokens"].append(int(sum(np.asarray(o.lengths).sum() for o in outs)))
+      last[name] = outs
+  arms = {}
+  for name, r in runs.items():
+    rate = [t / s for t, s in zip(r["tokens"], r["seconds"])]
+    rec = {"tokens_per_s": statistics.median(rate), "seconds": r["seconds"],
+           "tokens": r["tokens"], "first_call_s": first[name],
+           "segments": sum(len(o.segments) for o in last[name])}
+    if name.endswith("spec"):
+      counts = [AcceptanceMetrics.from_counts(o.stats) for o in last[name]]
+      drafts = sum(c.num_drafts for c in counts)
+      accepted = sum(c.num_accepted_tokens for c in counts)
+      rec["acceptance_length"] = 1 + accepted / max(drafts, 1)
+      steps = collections.Counter()
+      for o in last[name]:
+        for s in o.segments:
+          steps[s.draft_len] += s.iterations
+      rec["steps_by_k"] = {int(k): int(v) for k, v in sorted(steps.items())}
+    arms[name] = rec
+
+  def ratio(num: str, den: str) -> float | None:
+    if num not in runs or den not in runs:
+      return None
+    return statistics.median(
+        (tn / sn) / (td / sd) for tn, sn, td, sd in zip(runs[num]["tokens"], runs[num]["seconds"],
+                                                        runs[den]["tokens"], runs[den]["seconds"]))
+
+  ratios = {"continuous/waves": ratio("continuous", "waves"),
+            "continuous_spec/waves": ratio("continuous_spec", "waves"),
+            "continuous_spec/continuous": ratio("continuous_spec", "continuous"),
+            "waves_spec/waves": ratio("waves_spec", "waves")}
+  log(f"\n{'arm':>16} {'tokens/s':>9} {'first s':>8} {'segments':>9} {'acc len':>8}  steps by K")
+  for name, r in arms.items():
+    acc = f"{r['acceptance_length']:8.2f}" if "acceptance_length" in r else f"{'':>8}"
+    log(f"{name:>16} {r['tokens_per_s']:9.0f} {r['first_call_s']:8.1f} {r['segments']:9d} {acc}  "
+        f"{r.get('steps_by_k', '')}")
+  for k, v in ratios.items():
+    if v is not None:
+      log(f"{k:>28}: {v:.2f}x (median of paired rounds)")
+  summary = {"benchmark": "queue", "machine": be.machine(), "command": "python experiments/bench_queue.py " + " ".join(
+                 sys.argv[1:] if argv is None else argv),
+             "config": {k: v for k, v in vars(a).items() if k != "language"},
+             "target_params": cfg_m.num_params(), "eos": list(eos), "length_quantiles": quantiles,
+             "arms": arms, "ratios": ratios, "wall_s": time.perf_counter() - t_start}
+  write_json(a.out, summary)
+  log(f"wrote {a.out} ({summary['wall_s']:.0f} s)")
+  return summary
+
+
+if __name__ == "__main__":
+  main()
