@@ -271,10 +271,11 @@ class _Run:
       live = int(live_mask.sum())
       while len(queue) and slots - live >= refill:  # admit waiting rows into free slots
         results, state = _harvest(results, state)
-        while len(queue) and slots - live >= refill:
-          free = np.flatnonzero(np.asarray(jax.device_get(state.row_ids)) < 0)
+        # one read of the free slots per refill, not per admission
+        free = np.flatnonzero(np.asarray(jax.device_get(state.row_ids)) < 0)
+        while len(queue) and len(free) >= refill:
           state = admit(state, free)
-          live += refill
+          free, live = free[refill:], live + refill
         out = state
         # (an admitted row can be done at once: its first token ended it)
         summary = jax.device_get(_summary(state))
