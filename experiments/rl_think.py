@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.jobs import setup_logging
+from specjax.jobs import exit_on_stop, setup_logging
 from specjax.jobs.base_policy import biased_answer
 from specjax.jobs.config import BaseModelConfig, DraftInitConfig, ExperimentConfig, parse_config
 from specjax.jobs.driver import run_experiment
@@ -108,7 +108,9 @@ def main(argv=None) -> dict:
   from specjax.sharding import initialize_distributed
 
   initialize_distributed()
-  return run_experiment(cfg, base_examples=answer_examples, finetune_examples=scratchpad_examples)
+  # a stop signal or a failed write: one line on stderr and a documented exit code (README)
+  return exit_on_stop(lambda: run_experiment(cfg, base_examples=answer_examples,
+                                             finetune_examples=scratchpad_examples))
 
 
 if __name__ == "__main__":

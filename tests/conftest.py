@@ -31,9 +31,19 @@ if os.environ.get(_CACHE_ENV):
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# RL runs keep the rollout engine's measured step costs in a machine-wide file
+# (`specjax.sampling.calibration`): the tests use one of their own, not the user's
+_OWN_COSTS = "SPECJAX_COST_CACHE" not in os.environ
+if _OWN_COSTS:
+  os.environ["SPECJAX_COST_CACHE"] = os.path.join(tempfile.mkdtemp(prefix="specjax-test-costs-"),
+                                                  "engine_costs.json")
+
+
 def pytest_unconfigure(config):
   if _OWN_CACHE:
     shutil.rmtree(os.environ[_CACHE_ENV], ignore_errors=True)
+  if _OWN_COSTS:
+    shutil.rmtree(os.path.dirname(os.environ["SPECJAX_COST_CACHE"]), ignore_errors=True)
 
 
 @pytest.fixture(autouse=True, scope="module")

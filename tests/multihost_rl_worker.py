@@ -1,8 +1,9 @@
 """One process of the 2-process RL test (tests/test_multihost.py), started by launch_local.py.
 
 Joins the job and runs the synchronous RL loop with an online EAGLE-3 draft on one 4-device mesh
-whose tensor axis spans both processes: one step and a checkpoint, then a second call that resumes
-from it (past a half-written checkpoint of step 2, as a crash leaves it) for the second step.
+whose tensor axis spans both processes: one step, then SIGTERM to process 0 only (both processes
+must agree to stop after that step and checkpoint it), then a second call that resumes from it
+(past a half-written checkpoint of step 2, as a crash leaves it) for the second step.
 Writes each step's metrics and the final parameters (gathered to the host) to
 OUT_DIR/rl_p{process_id}.npz. `run` with use_mesh=False is the single-process reference.
 """
@@ -89,26 +90,42 @@ def digit_task(cfg):
   return DigitShare(cfg.task, CharTokenizer())
 
 
-def run(out_dir: str, *, use_mesh: bool, stop_after: int | None = None) -> dict:
+def run(out_dir: str, *, use_mesh: bool, sigterm_at: int | None = None) -> dict:
   """One `run_rl` call (resuming from the newest checkpoint in out_dir); returns the steps it
-  ran, their metrics (EXACT_METRICS + CLOSE_METRICS) and its final parameters on the host."""
+  ran, their metrics (EXACT_METRICS + CLOSE_METRICS) and its final parameters on the host.
+  `sigterm_at`: process 0 (only) sends itself SIGTERM once that step is done; the call then
+  returns the step every process stopped after ("stopped") and no parameters."""
+  import signal
+
   import jax
   from jax.experimental import multihost_utils
   from specjax.models import CharTokenizer
   from specjax.rl.loop import run_rl
+  from specjax.rl.preemption import Preempted
 
   cfg = rl_config(use_mesh)
   policy, head = policy_and_head()
   records = []
-  summary = run_rl(cfg, policy, CharTokenizer(), digit_task(cfg), out_dir=out_dir, draft=head,
-                   stop_after=stop_after, verbose=False,
-                   hooks=[lambda step, m: records.append((step, m))])
+
+  def record(step, m):
+    records.append((step, m))
+    if step == sigterm_at and jax.process_index() == 0:
+      os.kill(os.getpid(), signal.SIGTERM)
+
+  def metrics():
+    return np.array([[m[k] for k in EXACT_METRICS + CLOSE_METRICS] for _, m in records],
+                    np.float64)
+
+  try:
+    summary = run_rl(cfg, policy, CharTokenizer(), digit_task(cfg), out_dir=out_dir, draft=head,
+                     verbose=False, hooks=[record])
+  except Preempted as stop:
+    return {"start": records[0][0] - 1, "steps": np.array([s for s, _ in records]),
+            "metrics": metrics(), "stopped": stop.step}
   params = jax.tree.leaves(summary["state"].params)
   split = sum(not x.is_fully_addressable and not x.is_fully_replicated for x in params)
   return {"start": summary["start_step"], "steps": np.array([s for s, _ in records]),
-          "split_leaves": split,
-          "metrics": np.array([[m[k] for k in EXACT_METRICS + CLOSE_METRICS]
-                               for _, m in records], np.float64),
+          "split_leaves": split, "metrics": metrics(), "stopped": -1,
           "params": [np.asarray(multihost_utils.process_allgather(x, tiled=True))
                      for x in params]}
 
@@ -131,13 +148,13 @@ def main(out_dir: str) -> None:
   from jax.experimental import multihost_utils
   assert jax.process_count() == 2 and jax.device_count() == 4 and jax.local_device_count() == 2
   run_dir = os.path.join(out_dir, "run")  # shared by both processes, as on a shared filesystem
-  first = run(run_dir, use_mesh=True, stop_after=1)
+  first = run(run_dir, use_mesh=True, sigterm_at=1)  # both processes stop after step 1
   if jax.process_index() == 0:  # a crash while step 2 was being saved left it half-written
     os.makedirs(os.path.join(run_dir, "checkpoints", str(STEPS), "state"))
   multihost_utils.sync_global_devices("half-written checkpoint planted")
   second = run(run_dir, use_mesh=True)  # moves it aside, resumes from step 1, saves step 2 anew
   np.savez(os.path.join(out_dir, f"rl_p{jax.process_index()}.npz"),
-           starts=np.array([first["start"], second["start"]]),
+           starts=np.array([first["start"], second["start"]]), stopped=first["stopped"],
            split_leaves=second["split_leaves"],
            steps=np.concatenate([first["steps"], second["steps"]]),
            metrics=np.concatenate([first["metrics"], second["metrics"]]),

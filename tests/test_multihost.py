@@ -82,7 +82,9 @@ def test_two_processes_run_rl_checkpoint_and_resume_like_one_process(tmp_path):
   for process_id in (0, 1):
     got = np.load(tmp_path / f"rl_p{process_id}.npz")
     where = f"process {process_id}"
-    # step 1, then a resume from checkpoint 1 for step 2, on parameters split across processes
+    # step 1, then a resume from checkpoint 1 for step 2, on parameters split across processes;
+    # SIGTERM reached process 0 only, and both stopped after step 1
+    assert int(got["stopped"]) == 1, where
     assert list(got["starts"]) == [0, 1] and list(got["steps"]) == [1, 2], where
     assert got["split_leaves"] > 0, where
     # the sampled tokens (hence rewards, lengths, acceptance) are the same

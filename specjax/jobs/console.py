@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 PACKAGE = "specjax"
 
@@ -36,3 +40,26 @@ def setup_logging(level: int = logging.INFO) -> None:
   if not any(isinstance(h, _StdoutHandler) for h in logger.handlers):
     logger.addHandler(_StdoutHandler())
   logger.propagate = False
+
+
+def exit_on_stop(run: Callable[[], T]) -> T:
+  """`run()`, with the run's expected ends turned into one line on stderr and an exit code: a
+  stop on a signal (`Preempted`, checkpoint saved) exits with PREEMPTED_EXIT_CODE (75), a failed
+  checkpoint or metrics write (`RunWriteError`: disk full, permission, quota) with
+  WRITE_FAILED_EXIT_CODE (74). Other errors propagate as they are."""
+  from specjax.rl.metrics_log import RunWriteError
+  from specjax.rl.preemption import (
+    PREEMPTED_EXIT_CODE,
+    WRITE_FAILED_EXIT_CODE,
+    Preempted,
+    log_line,
+  )
+
+  try:
+    return run()
+  except Preempted as e:
+    log_line(f"specjax: {e}")
+    raise SystemExit(PREEMPTED_EXIT_CODE) from None
+  except RunWriteError as e:
+    log_line(f"specjax: error: {e}")
+    raise SystemExit(WRITE_FAILED_EXIT_CODE) from None

@@ -14,7 +14,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
+import shutil
 import time
 import warnings
 from typing import Any
@@ -22,13 +24,15 @@ from typing import Any
 import jax
 import numpy as np
 
+from specjax.rl.metrics_log import RunWriteError, write_cause
+
 COMMITTED_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it last into a finalized step dir
 
 
 # RLConfig fields that do not change the trajectory of a run: where and how often it is saved,
 # logged and validated, how long it runs (see `run_identity` for the schedules) and the mesh
 RUN_IDENTITY_EXCLUDES = ("checkpoint", "validation", "log_dir", "progress", "tensorboard", "mesh",
-                         "use_mesh", "steps")
+                         "use_mesh", "steps", "rollout.cost_cache")
 
 
 class CheckpointMismatch(ValueError):
@@ -44,6 +48,19 @@ class NonFiniteState(ValueError):
   """The train state to save holds NaN or infinite values; such a state is never checkpointed."""
 
 
+class CheckpointWriteError(RunWriteError):
+  """A checkpoint could not be written (no space, permission, quota); its partial directory was
+  removed and the earlier checkpoints are untouched."""
+
+
+def _without(config: dict, dotted: str) -> None:
+  head, _, rest = dotted.partition(".")
+  if not rest:
+    config.pop(head, None)
+  elif isinstance(config.get(head), dict):
+    _without(config[head], rest)
+
+
 def _plain_json(x: Any) -> Any:
   return json.loads(json.dumps(x, sort_keys=True, default=str))
 
@@ -52,7 +69,9 @@ def run_identity(cfg: Any, **extra: Any) -> dict:
   """The identity of a run: the fields of its config (a dataclass) that determine its trajectory
   plus `extra` (e.g. the async config), and their digest. `steps` is left out on purpose: a run
   may be extended on resume (its learning-rate schedules then span the new total)."""
-  config = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in RUN_IDENTITY_EXCLUDES}
+  config = dataclasses.asdict(cfg)
+  for name in RUN_IDENTITY_EXCLUDES:
+    _without(config, name)
   config.update(extra)
   config = _plain_json(config)
   digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()[:16]
@@ -91,6 +110,33 @@ def nonfinite_leaves(tree: Any, limit: int = 3) -> list[str]:
   return bad
 
 
+# a save is refused up front when the disk has less than this share of the state's bytes (orbax
+# compresses: the Adam moments of a young run shrink several times) plus this margin; a write
+# that fails anyway is cleaned up and reported the same way
+SPACE_SHARE, SPACE_MARGIN = 0.25, 256 << 10
+
+
+def _quiet_failed_writes() -> None:
+  """After a failed orbax save, its writes still in flight fail one by one in background threads,
+  each reported with a traceback (asyncio's "exception was never retrieved", tensorstore's
+  callbacks into a closed event loop). The run is ending with one clear error: silence them."""
+  import sys
+
+  for name in ("absl", "asyncio", "concurrent.futures"):
+    logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+  previous = sys.excepthook
+  if getattr(previous, "_specjax_quiet", False):
+    return
+
+  def hook(kind, value, tb):
+    if isinstance(value, RuntimeError) and "Event loop is closed" in str(value):
+      return
+    previous(kind, value, tb)
+
+  hook._specjax_quiet = True
+  sys.excepthook = hook
+
+
 def _sync_processes(name: str) -> None:
   """Barrier across the processes of a multi-process job (a no-op in a single process)."""
   if jax.process_count() > 1:
@@ -113,7 +159,11 @@ class Checkpointer:
     self.ocp = ocp
     self.identity = identity
     self.directory = os.path.abspath(directory)
-    os.makedirs(self.directory, exist_ok=True)
+    try:
+      os.makedirs(self.directory, exist_ok=True)
+    except OSError as e:
+      raise CheckpointWriteError("the checkpoint directory", self.directory, write_cause(e)) \
+          from e
     self._quarantine_incomplete()
     options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False,
                                            create=True)
@@ -172,11 +222,54 @@ class Checkpointer:
     meta = {"step": int(step), "data_position": int(data_position), "paths": paths,
             "rng": np.asarray(jax.device_get(rng)).tolist(), "time": time.time(),
             "extra": _plain_json(extra or {}), "identity": self.identity}
+    self._check_space(step, leaves)
     args = self.ocp.args
-    self.manager.save(step, args=args.Composite(state=args.StandardSave(arrays),
-                                                meta=args.JsonSave(meta)), force=True)
-    self.manager.wait_until_finished()
+    # orbax reports a failed write from each of its threads (absl ERROR lines with tracebacks)
+    # before the save raises it: quiet while saving; the error raised below says it in one line
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.CRITICAL)
+    try:
+      self.manager.save(step, args=args.Composite(state=args.StandardSave(arrays),
+                                                  meta=args.JsonSave(meta)), force=True)
+      self.manager.wait_until_finished()
+    except Exception as e:  # any failure of the write: clean up, one clear error
+      _quiet_failed_writes()
+      self._discard_partial(step)
+      raise CheckpointWriteError(f"checkpoint {step}", os.path.join(self.directory, str(step)),
+                                 write_cause(e), self.latest_step(), self.directory) from e
+    finally:
+      absl.setLevel(level)
     return True
+
+  def _check_space(self, step: int, leaves: list) -> None:
+    """Refuse a save the disk has clearly no room for before anything is written (agreed by
+    every process)."""
+    from specjax.rl.preemption import agree_any
+
+    need = int(SPACE_SHARE * sum(int(getattr(x, "nbytes", 0)) for x in leaves)) + SPACE_MARGIN
+    try:
+      free = shutil.disk_usage(self.directory).free
+    except OSError:
+      free = need  # unknown: let the write itself find out
+    if agree_any([free < need])[0]:
+      raise CheckpointWriteError(
+          f"checkpoint {step}", os.path.join(self.directory, str(step)),
+          f"No space left on device ({free / 2**20:.1f} MiB free, a checkpoint needs at least "
+          f"{need / 2**20:.1f} MiB)", self.latest_step(), self.directory)
+
+  def _discard_partial(self, step: int) -> None:
+    """Remove what a failed save of `step` left (its step dir, orbax's tmp dirs of it); never
+    another step's. Process 0 removes, the others wait."""
+    if jax.process_index() == 0:
+      prefix = f"{step}.orbax-checkpoint-tmp"
+      for name in os.listdir(self.directory):
+        if name == str(step) or name.startswith(prefix):
+          shutil.rmtree(os.path.join(self.directory, name), ignore_errors=True)
+    try:
+      self.manager.reload()
+    except Exception as e:  # noqa: BLE001 - the directory listing is re-read on the next save
+      warnings.warn(f"Checkpointer: re-reading {self.directory} after a failed save: {e!r}")
 
   def _restore_step(self, step: int, template: Any) -> tuple[Any, dict]:
     paths, leaves = _flat(template)

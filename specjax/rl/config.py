@@ -80,6 +80,13 @@ class RolloutConfig:
   # into the slots of finished ones, refill_fraction of the slots at a time
   max_rows: int = _ENGINE.max_rows
   refill_fraction: float = _ENGINE.refill_fraction
+  # the adaptive engine's step costs: measured once per program, bucket and K, then read from the
+  # machine's cost cache (a JSON file; "": $SPECJAX_COST_CACHE or ~/.cache/specjax/
+  # engine_costs.json; "off": none, each run measures its own) and stored in every checkpoint,
+  # so one seed gives one trajectory; cost_memory > 0 refines them by the rollouts' own timings
+  # (EngineConfig.cost_memory: K then follows the machine's load, not reproducible)
+  cost_cache: str = ""
+  cost_memory: float = _ENGINE.cost_memory
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -97,6 +104,8 @@ class RolloutConfig:
            f"{self.max_rows}")
     _check(0 < self.refill_fraction <= 1, f"{w}.refill_fraction",
            f"must be in (0, 1], got {self.refill_fraction}")
+    _check(self.cost_memory >= 0, f"{w}.cost_memory", f"must be >= 0 (0: no refinement), got "
+           f"{self.cost_memory}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,15 +197,31 @@ class ValidationConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-  every: int = 0  # steps between checkpoints; 0 -> only on exit
+  """When a run saves: every `every` steps and every `every_minutes` of wall time (whichever
+  comes first; a hard kill loses at most that much), on exit, and on a stop signal (the step in
+  flight finishes first; `specjax.rl.preemption`)."""
+
+  every: int = 0  # steps between checkpoints; 0: none by step count
+  every_minutes: float = 20.0  # wall-clock minutes between checkpoints; 0: none by time
   dir: str = ""  # "" -> <out_dir>/checkpoints
   keep: int = 3
   save_on_exit: bool = True
   resume: bool = True  # continue from the latest good checkpoint in `dir`
+  # signals that stop the run at the next step boundary with a checkpoint (a second one exits at
+  # once); () leaves the process's signal handling alone
+  stop_signals: tuple[str, ...] = ("SIGTERM", "SIGINT", "SIGUSR1")
 
   def __post_init__(self):
-    _check(self.every >= 0, "CheckpointConfig.every", f"must be >= 0, got {self.every}")
-    _check(self.keep >= 1, "CheckpointConfig.keep", f"must be >= 1, got {self.keep}")
+    w = "CheckpointConfig"
+    _check(self.every >= 0, f"{w}.every", f"must be >= 0, got {self.every}")
+    _check(self.every_minutes >= 0, f"{w}.every_minutes",
+           f"must be >= 0 (0: no checkpoints by wall time), got {self.every_minutes}")
+    _check(self.keep >= 1, f"{w}.keep", f"must be >= 1, got {self.keep}")
+    import signal
+    for name in self.stop_signals:
+      full = name if name.startswith("SIG") else f"SIG{name}"
+      _check(isinstance(getattr(signal, full, None), int) and not full.startswith("SIG_"),
+             f"{w}.stop_signals", f"unknown signal {name!r} (e.g. SIGTERM, SIGINT, SIGUSR1)")
 
 
 @dataclasses.dataclass(frozen=True)

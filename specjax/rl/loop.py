@@ -20,13 +20,16 @@ import numpy as np
 from flax import nnx
 
 from specjax.rl.batch import SEGMENT_LOG, build_train_batch, rollout_metrics
-from specjax.rl.checkpoint import CheckpointExists, Checkpointer, run_identity
+from specjax.rl.checkpoint import (CheckpointExists, Checkpointer, CheckpointWriteError,
+                                   run_identity)
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.metrics_log import METRICS_FILE, MetricsLogger, truncate_metrics
+from specjax.rl.metrics_log import (METRICS_FILE, MetricsLogger, RunWriteError, truncate_metrics,
+                                    write_cause)
+from specjax.rl.preemption import Preempted, StepBoundary, StopSignals
 from specjax.rl.rollout import (RolloutSampler, acceptance_summary, build_drafter,
-                                decode_completions, pad_prompts, resize_columns, sequence_arrays,
-                                train_widths)
+                                decode_completions, make_tuning, pad_prompts, resize_columns,
+                                sequence_arrays, train_widths)
 from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names,
                                state_donated)
 from specjax.rl.tasks import Task, compute_rewards, make_task
@@ -37,6 +40,7 @@ _log = logging.getLogger(__name__)  # (`logger` names the run's MetricsLogger be
 
 Hook = Callable[[int, dict], None]  # (step, metrics) after every step (metrics incl. validation)
 MAX_ERRORS_LOGGED = 5  # reward-function errors written to the JSONL per step
+TUNING_FILE = "engine_tuning.json"  # the engine's costs and acceptance estimates, in the run dir
 
 
 @dataclasses.dataclass
@@ -74,7 +78,8 @@ def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, dra
   trainer = Trainer(cfg, graphdef, method.train_graphdef(drafter), mesh=mesh)
   state = trainer.init_state(init.policy, init.draft, init.draft_aux)
   task = task if task is not None else make_task(cfg.task, tokenizer)
-  sampler = RolloutSampler(cfg, graphdef, tokenizer, drafter, drafter_params)
+  sampler = RolloutSampler(cfg, graphdef, tokenizer, drafter, drafter_params,
+                           tuning=make_tuning(cfg))
   # a copy: the train step donates (reuses) the buffers of the state it updates
   ref = jax.tree.map(jnp.copy, trainer.forward_params(state.params)) if cfg.grpo.beta > 0 \
       else None
@@ -231,10 +236,13 @@ def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, er
   return val
 
 
-def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dict | None = None):
+def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dict | None = None,
+             tuning=None):
   """Checkpointer and metrics logger of a run, and where it starts: the state, step, data
   position and RNG key of the newest good checkpoint of this run (same `run_identity`) when
-  cfg.checkpoint.resume, else step 0 (a checkpoint dir with checkpoints is then an error).
+  cfg.checkpoint.resume, else step 0 (a checkpoint dir with checkpoints is then an error). The
+  checkpoint's engine tuning (costs, acceptance estimates) goes into `tuning` (an EngineTuning),
+  so the resumed run picks the K the uninterrupted one would have.
   metrics.jsonl is cut back to the start step, so every step is logged once. Returns (ckpt,
   logger, state, start, data_position, base_key, pending): `pending` is the restored step whose
   metrics were not written before the interruption (None mostly); the loop writes it first."""
@@ -250,6 +258,8 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
       start, data_position = int(meta["step"]), int(meta["data_position"])
       base_key = jnp.asarray(meta["rng"], jnp.uint32)
       pending = PendingStep.from_json(meta["extra"].get("pending"))
+      if tuning is not None:
+        tuning.load_json(meta["extra"].get("engine_tuning"))
   elif ckpt.steps():
     steps = ckpt.steps()
     ckpt.close()
@@ -269,10 +279,26 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
   return ckpt, logger, state, start, data_position, base_key, pending
 
 
-def checkpoint_saver(ckpt: Checkpointer, start: int):
+def save_tuning(run_dir: str, data: dict) -> None:
+  """<run_dir>/engine_tuning.json, atomically (process 0)."""
+  from specjax.sampling.calibration import write_json_atomic
+
+  if jax.process_index() != 0:
+    return
+  path = os.path.join(run_dir, TUNING_FILE)
+  try:
+    write_json_atomic(path, data)
+  except OSError as e:
+    raise RunWriteError("the engine tuning", path, write_cause(e)) from e
+
+
+def checkpoint_saver(ckpt: Checkpointer, start: int, tuning: Callable[[], dict] | None = None,
+                     run_dir: str = ""):
   """`save(completed, state, rng, data_position, last, pending)` for the loops: each step is
   saved once (an exit save right after a periodic one is not repeated); a step whose metrics are
-  pending is saved with them; a state donated to an interrupted update is not saved (warning)."""
+  pending is saved with them; a state donated to an interrupted update is not saved (warning).
+  `tuning()`: the engine tuning (JSON) that goes with the saved step, stored in the checkpoint
+  and as <run_dir>/engine_tuning.json."""
   saved = {"step": start}
 
   def save(completed: int, state, rng, data_position: int, last: dict,
@@ -287,8 +313,13 @@ def checkpoint_saver(ckpt: Checkpointer, start: int):
       warnings.warn(f"no checkpoint of step {step}: its state was donated to an update that was "
                     f"interrupted; the run resumes from checkpoint {ckpt.latest_step()}")
       return
+    engine_tuning = tuning() if tuning is not None else None
+    if engine_tuning is not None:
+      extra["engine_tuning"] = engine_tuning
     ckpt.save(step, state, rng=rng, data_position=data_position, extra=extra)
     saved["step"] = step
+    if engine_tuning is not None and run_dir:
+      save_tuning(run_dir, engine_tuning)
 
   return save
 
@@ -308,18 +339,31 @@ def write_pending(run: RLRun, state: TrainState, pending: PendingStep, logger: M
 
 
 def close_run(cfg: RLConfig, ckpt: Checkpointer, logger: MetricsLogger, save: Callable[[], None],
-              progressed: bool, *, failed: bool) -> None:
+              progressed: bool, *, failed: bool, error: BaseException | None = None) -> None:
   """Save on exit (if the run made progress) and close the logger and checkpointer. On a failure
-  a failing save only warns, so the original error is the one that surfaces."""
-  if cfg.checkpoint.save_on_exit and progressed:
-    try:
-      save()
-    except Exception as e:  # noqa: BLE001
-      if not failed:
-        raise
-      warnings.warn(f"saving a checkpoint on exit failed: {e!r}")
-  logger.close()
-  ckpt.close()
+  a failing save only warns, so the original error is the one that surfaces; after a failed
+  write (`RunWriteError`: disk full, ...) no exit save is tried, and the error is completed with
+  the last good checkpoint."""
+  try:
+    if isinstance(error, RunWriteError):
+      if not isinstance(error, CheckpointWriteError):
+        error.with_last_good(ckpt.latest_step(), ckpt.directory)
+    elif cfg.checkpoint.save_on_exit and progressed:
+      try:
+        save()
+      except Exception as e:  # noqa: BLE001
+        if not failed:
+          raise
+        warnings.warn(f"saving a checkpoint on exit failed: {e!r}")
+  finally:
+    logger.close()
+    ckpt.close()
+
+
+def stop_on_signals(cfg: RLConfig) -> StopSignals | None:
+  """The process's stop-signal handlers (`CheckpointConfig.stop_signals`) for a run's duration;
+  `release()` when it ends."""
+  return StopSignals.acquire(cfg.checkpoint.stop_signals)
 
 
 def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
@@ -356,11 +400,28 @@ def iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, ou
   several runs can take turns in one process (the experiment driver interleaves its AR and
   speculative arms). Closing it early saves and closes the run as an interruption does."""
   os.makedirs(out_dir, exist_ok=True)
+  signals = stop_on_signals(cfg)
+  try:
+    summary = yield from _iterate_rl(cfg, policy, tokenizer, task, out_dir=out_dir, draft=draft,
+                                     draft_maps=draft_maps, hooks=hooks,
+                                     validation_hooks=validation_hooks, stop_after=stop_after,
+                                     verbose=verbose, signals=signals)
+  finally:
+    if signals is not None:
+      signals.release()
+  return summary
+
+
+def _iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None, *, out_dir: str, draft,
+                draft_maps, hooks: Sequence[Hook], validation_hooks: Sequence[Hook],
+                stop_after: int | None, verbose: bool, signals: StopSignals | None):
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
-  ckpt, logger, state, start, data_position, base_key, pending = open_run(cfg, out_dir, state)
+  ckpt, logger, state, start, data_position, base_key, pending = open_run(
+      cfg, out_dir, state, tuning=run.sampler.tuning)
   timer, guard = PhaseTimer(), NonFiniteGuard(cfg.max_bad_steps)
-  completed, last, last_val = start, {}, {}
-  saver = checkpoint_saver(ckpt, start)
+  completed, last, last_val, stopped_by = start, {}, {}, None
+  saver = checkpoint_saver(ckpt, start, run.sampler.tuning.to_json, cfg.log_dir or out_dir)
+  boundary = StepBoundary(cfg.checkpoint.every, cfg.checkpoint.every_minutes, signals)
 
   def save() -> None:
     saver(completed, state, base_key, data_position, last, pending)
@@ -384,13 +445,22 @@ def iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, ou
       guard.update(completed, metrics.get(NONFINITE_KEY, []), logger)
       for hook in hooks:
         hook(completed, metrics)
-      if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
+      save_now, stop = boundary.poll(completed)
+      if save_now:
         save()
+        boundary.saved()
+      if stop:
+        stopped_by = boundary.signal_name or "a stop signal of another process"
+        logger.log_event(completed, "preempted", signal=stopped_by, checkpoint=completed)
+        break
       yield completed, metrics
-  except BaseException:
-    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True)
+  except BaseException as e:
+    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True,
+              error=e)
     raise
   close_run(cfg, ckpt, logger, save, completed > start, failed=False)
+  if stopped_by is not None:
+    raise Preempted(stopped_by, completed, ckpt.directory)
   phases = timer.summary()
   if verbose:
     _log.info("%s", format_summary(phases))

@@ -9,12 +9,67 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from typing import Any, Iterable
 
 import numpy as np
 
 METRICS_FILE = "metrics.jsonl"
+_OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
+_KNOWN_CAUSES = ("No space left on device", "Disk quota exceeded", "Permission denied",
+                 "Read-only file system", "Input/output error")
+
+
+class RunWriteError(RuntimeError):
+  """A checkpoint or metrics write of a run failed (no space, permission, quota). Its message is
+  one line: what failed, the path, the cause and the last good checkpoint step."""
+
+  def __init__(self, what: str, path: str, cause: str, last_good: int | None = None,
+               checkpoint_dir: str = ""):
+    self.what, self.path, self.cause = what, path, cause
+    self.last_good, self.checkpoint_dir = last_good, checkpoint_dir
+    super().__init__(self._message())
+
+  def _message(self) -> str:
+    if self.last_good is None:
+      last = "no checkpoint of this run was written before it"
+    else:
+      where = f" in {self.checkpoint_dir}" if self.checkpoint_dir else ""
+      last = (f"the last good checkpoint is step {self.last_good}{where}; resume the run to "
+              f"continue from it")
+    return f"{self.what} could not be written to {self.path}: {self.cause}; {last}"
+
+  def with_last_good(self, step: int | None, checkpoint_dir: str) -> RunWriteError:
+    self.last_good, self.checkpoint_dir = step, checkpoint_dir
+    self.args = (self._message(),)
+    return self
+
+  def __str__(self) -> str:
+    return self._message()
+
+
+def write_cause(exc: BaseException) -> str:
+  """The cause of a failed write in words ("No space left on device"), from the exception or
+  its chain: an OSError's strerror, an errno in the text (tensorstore's os_error_code), a known
+  phrase; else the exception's type and first line."""
+  chain, e = [], exc
+  while e is not None and e not in chain:
+    chain.append(e)
+    e = e.__cause__ or e.__context__
+  for e in chain:
+    if isinstance(e, OSError) and e.strerror:
+      return e.strerror
+  for e in chain:
+    text = str(e)
+    m = _OS_ERROR_CODE.search(text)
+    if m:
+      return os.strerror(int(m.group(1)))
+    for phrase in _KNOWN_CAUSES:
+      if phrase.lower() in text.lower():
+        return phrase
+  first = (str(exc).splitlines() or [""])[0][:200]
+  return f"{type(exc).__name__}: {first}"
 
 
 def _plain(v: Any) -> Any:
@@ -125,7 +180,10 @@ class MetricsLogger:
     self.path = os.path.join(log_dir, METRICS_FILE)
     if not enabled:
       return
-    os.makedirs(log_dir, exist_ok=True)
+    try:
+      os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+      raise RunWriteError("metrics", log_dir, write_cause(e)) from e
     removed = _trim_torn_tail(self.path)
     if removed:
       warnings.warn(f"MetricsLogger: trimmed a torn final line ({removed} bytes) of {self.path}")
@@ -145,7 +203,7 @@ class MetricsLogger:
     if not self.enabled:
       return
     record = {"step": int(step), **_plain(metrics)}
-    append_jsonl(self.path, record)
+    self._append(record)
     if self.tb is not None:
       for k, v in record.items():
         if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool) and \
@@ -163,12 +221,22 @@ class MetricsLogger:
   def log_event(self, step: int, kind: str, **fields) -> None:
     """A non-metric record (e.g. a reward-function error) in the same JSONL."""
     if self.enabled:
-      append_jsonl(self.path, {"step": int(step), "event": kind, **_plain(fields)})
+      self._append({"step": int(step), "event": kind, **_plain(fields)})
+
+  def _append(self, record: dict) -> None:
+    try:
+      append_jsonl(self.path, record)
+    except OSError as e:
+      raise RunWriteError(f"the metrics of step {record['step']}", self.path,
+                          write_cause(e)) from e
 
   def close(self) -> None:
     if self.tb is not None:
-      self.tb.flush()
-      self.tb.close()
+      try:
+        self.tb.flush()
+        self.tb.close()
+      except OSError as e:  # the JSONL holds every metric; TensorBoard's copy is a view of it
+        warnings.warn(f"MetricsLogger: closing the TensorBoard log failed ({write_cause(e)})")
       self.tb = None
     if self.bar is not None:
       self.bar.close()

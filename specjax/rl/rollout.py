@@ -36,7 +36,15 @@ def engine_config(cfg: RLConfig) -> EngineConfig:
   return EngineConfig(max_rows=r.max_rows, refill_fraction=r.refill_fraction,
                       compaction=r.compaction, min_bucket=r.min_bucket,
                       window_block=r.window_block, adaptive=d.adaptive,
-                      max_draft_len=d.max_draft_len)
+                      max_draft_len=d.max_draft_len, cost_memory=r.cost_memory)
+
+
+def make_tuning(cfg: RLConfig) -> EngineTuning:
+  """The run's engine tuning, with the machine's cost cache of RolloutConfig.cost_cache."""
+  from specjax.sampling.calibration import default_cost_cache_path
+
+  path = cfg.rollout.cost_cache
+  return EngineTuning.with_cache("off" if path == "off" else path or default_cost_cache_path())
 
 
 def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None) -> tuple[Drafter | None, Any]:

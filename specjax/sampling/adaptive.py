@@ -60,12 +60,32 @@ class AcceptanceEstimates:
 
   def __init__(self):
     self._by_key: dict[tuple, AcceptanceEstimate] = {}
+    # stored estimates not asked for yet, by the stable name of their key (`load_json`)
+    self._stored: dict[str, dict] = {}
+    self._name: Callable[[tuple], str] | None = None
 
   def get(self, key: tuple, max_len: int, engine: EngineConfig) -> AcceptanceEstimate:
     if key not in self._by_key:
-      self._by_key[key] = AcceptanceEstimate(max_len, engine.prior_acceptance,
-                                             engine.prior_weight)
+      est = AcceptanceEstimate(max_len, engine.prior_acceptance, engine.prior_weight)
+      stored = self._stored.pop(self._name(key), None) if self._stored else None
+      if stored is not None and len(stored["offered"]) == max_len:
+        est.offered = np.asarray(stored["offered"], np.float64)
+        est.hits = np.asarray(stored["hits"], np.float64)
+      self._by_key[key] = est
     return self._by_key[key]
+
+  def to_json(self, name: Callable[[tuple], str]) -> dict:
+    """{stable name of the key: counts} (exact floats), including stored ones not asked for."""
+    out = dict(self._stored)
+    for key, est in self._by_key.items():
+      out[name(key)] = {"offered": est.offered.tolist(), "hits": est.hits.tolist()}
+    return out
+
+  def load_json(self, data: dict, name: Callable[[tuple], str]) -> None:
+    """Adopt stored counts (`to_json`): each is taken up when `get` first asks for its key."""
+    self._by_key.clear()
+    self._stored = {k: dict(v) for k, v in data.items()}
+    self._name = name
 
   def __len__(self) -> int:
     return len(self._by_key)

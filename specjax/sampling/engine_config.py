@@ -38,8 +38,10 @@ class EngineConfig:
   # compiles, outside the timing, and its own segments refine its cost). True: all of them
   calibrate_every_k: bool = False
   # in-run refinement: each segment's measured seconds per step move its (bucket, K) cost toward
-  # them with weight iterations / (iterations + cost_memory) (0: keep the startup calibration)
-  cost_memory: float = 64.0
+  # them with weight iterations / (iterations + cost_memory). 0 (the default): keep the startup
+  # calibration, so that K choices depend on stored costs only and a seed gives one trajectory
+  # (`calibration.py`); > 0 follows the machine's load, and two runs of one seed may differ
+  cost_memory: float = 0.0
   compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts

@@ -20,7 +20,8 @@ from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
 from specjax.rl.loop import (Hook, RLRun, checkpoint_saver, close_run, finish_step, open_run,
-                             prompt_width, setup_run, warm_widths, write_pending)
+                             prompt_width, setup_run, stop_on_signals, warm_widths, write_pending)
+from specjax.rl.preemption import Preempted, StepBoundary
 from specjax.rl.rollout import (RolloutSampler, decode_completions, pad_prompts, resize_columns,
                                 sequence_arrays)
 from specjax.rl.safety import NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names
@@ -46,6 +47,9 @@ class ScoredRollout:
   metrics: dict
   times: dict
   full_width: int = 0  # the rollout's padded width (prompt + max_new_tokens) before the cut
+  # the engine tuning (costs, acceptance estimates) right after this rollout: a checkpoint of
+  # the step that trained on it stores it, so that the resumed worker continues from it
+  tuning: dict | None = None
 
 
 class WeightPush:
@@ -113,7 +117,7 @@ def make_producer(run: RLRun, sampler: RolloutSampler, gen_mesh, base_key: jax.A
     metrics["train/width"] = int(tokens.shape[1])
     clock.lap("reward")
     return ScoredRollout(tokens, mask, sampler_lp, rewards, metrics, clock.times,
-                         rollout.sequences.shape[1])
+                         rollout.sequences.shape[1], sampler.tuning.to_json())
 
   return produce
 
@@ -160,14 +164,17 @@ def check_batch(item: RolloutBatch, step: int, policy_lag: int) -> int:
 
 
 def async_step(run: RLRun, async_cfg: AsyncConfig, state: TrainState, step: int,
-               worker: RolloutWorker, push: WeightPush, timer: PhaseTimer
-               ) -> tuple[TrainState, dict, list[str]]:
+               worker: RolloutWorker, push: WeightPush, timer: PhaseTimer,
+               consumed: dict | None = None) -> tuple[TrainState, dict, list[str]]:
   """One trainer step: wait for batch `step`, logprobs, train, push the new version (except after
-  the last step). Returns (new state, metrics, reward-function error messages)."""
+  the last step). Returns (new state, metrics, reward-function error messages); `consumed`
+  gets the batch's engine tuning under "tuning"."""
   with timer.phase("exposed_generation"):
     item = worker.get()
   gap = check_batch(item, step, async_cfg.policy_lag)
   scored: ScoredRollout = item.payload
+  if consumed is not None:
+    consumed["tuning"] = scored.tuning
   with timer.phase("logprob") as p:
     batch, extra = p.sync(train_batch(run, async_cfg, state, scored))
   bad = nonfinite_names(rewards=scored.rewards.rewards, advantages=batch.advantages)
@@ -221,21 +228,43 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
   batch index, its params version and the version gap. The summary adds the means of these, the
   version-gap counts and the batch accounting (produced, consumed, discarded).
 
-  Resume is not bitwise exact: a checkpoint holds the train state, data position and RNG key but
-  not the queue, so the batches that were queued or in flight are regenerated, with the same
-  prompts and keys, from the restored (newest) parameters: the first batch after a resume has
-  version gap 0 where an uninterrupted run would have had up to `policy_lag`
-  (tests/test_async_resume.py)."""
+  A stop signal (`CheckpointConfig.stop_signals`) ends it like `run_rl`: the trainer finishes its
+  step, stops the worker (its queued batches are dropped, none was trained on), saves the last
+  finished step with the engine tuning of the last batch trained on, and raises `Preempted`.
+
+  Resume at policy_lag >= 1 is not bitwise exact: a checkpoint holds the train state, data
+  position, RNG key and the engine tuning after the last batch trained on, but not the queue, so
+  the batches that were queued or in flight are regenerated, with the same prompts and keys, from
+  the restored (newest) parameters: the first batch after a resume has version gap 0 where an
+  uninterrupted run would have had up to `policy_lag` (tests/test_async_resume.py). At
+  policy_lag 0 it is exact (tests/test_preemption.py)."""
   os.makedirs(out_dir, exist_ok=True)
+  signals = stop_on_signals(cfg)
+  try:
+    return _run_rl_async(cfg, async_cfg, policy, tokenizer, task, out_dir=out_dir, draft=draft,
+                         draft_maps=draft_maps, hooks=hooks, validation_hooks=validation_hooks,
+                         verbose=verbose, devices=devices, signals=signals)
+  finally:
+    if signals is not None:
+      signals.release()
+
+
+def _run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer, task, *, out_dir,
+                  draft, draft_maps, hooks, validation_hooks, verbose, devices, signals):
   run, state, sampler, gen_mesh = setup_async(cfg, async_cfg, policy, tokenizer, task, draft=draft,
                                              draft_maps=draft_maps, devices=devices)
   identity = {"async": {k: getattr(async_cfg, k) for k in ("policy_lag", "is_correction",
                                                           "is_clip")}}
-  ckpt, logger, state, start, data_position, base_key, pending = open_run(cfg, out_dir, state,
-                                                                          identity)
+  ckpt, logger, state, start, data_position, base_key, pending = open_run(
+      cfg, out_dir, state, identity, tuning=sampler.tuning)
+  # the tuning that goes with the last finished step: after the last batch trained on (the
+  # worker may have generated further batches since)
+  consumed = {"tuning": sampler.tuning.to_json()}
   timer, worker_times = PhaseTimer(), {k: [] for k in WORKER_PHASES}
-  guard, saver = NonFiniteGuard(cfg.max_bad_steps), checkpoint_saver(ckpt, start)
-  completed, last, last_val, gaps = start, {}, {}, []
+  guard = NonFiniteGuard(cfg.max_bad_steps)
+  saver = checkpoint_saver(ckpt, start, lambda: consumed["tuning"], cfg.log_dir or out_dir)
+  boundary = StepBoundary(cfg.checkpoint.every, cfg.checkpoint.every_minutes, signals)
+  completed, last, last_val, gaps, stopped_by = start, {}, {}, [], None
   push = WeightPush(run.trainer, sampler, gen_mesh)
   produce = make_producer(run, sampler, gen_mesh, base_key, start, data_position)
   worker = RolloutWorker(produce, first_index=start, num_batches=cfg.steps - start,
@@ -251,7 +280,8 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
     initial_push = _timed(lambda: push(state))
     worker.start(start, initial_push[0])
     for step in range(start, cfg.steps):
-      state, metrics, errors = async_step(run, async_cfg, state, step, worker, push, timer)
+      state, metrics, errors = async_step(run, async_cfg, state, step, worker, push, timer,
+                                          consumed)
       for k in WORKER_PHASES:
         worker_times[k].append(metrics[f"time/{k}"])
       gaps.append(metrics["async/version_gap"])
@@ -263,14 +293,26 @@ def run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer,
       guard.update(completed, metrics.get(NONFINITE_KEY, []), logger)
       for hook in hooks:
         hook(completed, metrics)
-      if cfg.checkpoint.every and completed % cfg.checkpoint.every == 0:
+      save_now, stop = boundary.poll(completed)
+      if stop:  # the worker first: no batch is generated while the trainer saves
+        worker.close(async_cfg.shutdown_timeout_s)
+      if save_now:
         save()
-  except BaseException:
+        boundary.saved()
+      if stop:
+        stopped_by = boundary.signal_name or "a stop signal of another process"
+        logger.log_event(completed, "preempted", signal=stopped_by, checkpoint=completed,
+                         discarded_batches=worker.discarded)
+        break
+  except BaseException as e:
     worker.close(async_cfg.shutdown_timeout_s)
-    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True)
+    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True,
+              error=e)
     raise
   worker.close(async_cfg.shutdown_timeout_s)
   close_run(cfg, ckpt, logger, save, completed > start, failed=False)
+  if stopped_by is not None:
+    raise Preempted(stopped_by, completed, ckpt.directory)
   phases = timer.summary()
   if verbose:
     _log.info("%s", format_summary(phases))
