@@ -16,7 +16,12 @@ once untimed, then --repeats interleaved rounds):
                    rows between segments
   waves_spec       speculative in waves (draft model: the target's first --draft-layers layers)
   continuous_spec  speculative, one call with the queue, adaptive K
-Tokens/s counts completion tokens. Prints a table, writes JSON (`arms.<arm>.tokens_per_s`,
+  dense            AR with the queue at one KV budget (`--kv-budget-rows` dense rows' worth of
+                   target KV memory): dense caches, so the budget holds that many slots
+  paged            AR with the queue at the same budget, paged (`EngineConfig.kv_cache_gb`): up
+                   to --slots slots, rows admitted while pages are free
+Tokens/s counts completion tokens; `rows.dense` / `rows.paged` are the rows each held at once
+(paged: the most live rows any segment started with, and the step-weighted mean). Prints a table, writes JSON (`arms.<arm>.tokens_per_s`,
 paired per-round ratios, the acceptance length and the K the engine chose). Asserts nothing.
 """
 
@@ -43,7 +48,7 @@ from specjax.models import Decoder  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
 
-ARMS = ("waves", "continuous", "waves_spec", "continuous_spec")
+ARMS = ("waves", "continuous", "waves_spec", "continuous_spec", "dense", "paged")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,6 +68,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--slots", type=int, default=None, help="32 (--quick: 16)")
   p.add_argument("--refill-fraction", type=float, default=EngineConfig.refill_fraction)
+  p.add_argument("--kv-budget-rows", type=int, default=None,
+                 help="the dense and paged arms' KV budget, in dense rows (default: slots / 2)")
+  p.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+  p.add_argument("--page-ahead", type=int, default=EngineConfig.page_ahead)
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--max-new", type=int, default=256)
   p.add_argument("--temperature", type=float, default=1.0)
@@ -74,7 +83,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench_queue.json")
   a = p.parse_args(argv)
-  quick = dict(prompts=32, slots=16, repeats=2) if a.quick else dict(prompts=64, slots=32,
+  quick = dict(prompts=32, slots=16, repeats=1) if a.quick else dict(prompts=64, slots=32,
                                                                       repeats=3)
   for k, v in quick.items():
     if getattr(a, k) is None:
@@ -108,6 +117,13 @@ def main(argv=None) -> dict:
   tunings = collections.defaultdict(EngineTuning)
   queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction)
   plain = EngineConfig()
+  # one KV budget: what `budget_rows` dense rows take (AR: prompt + max_new positions each)
+  budget_rows = a.kv_budget_rows or max(a.slots // 2, a.group)
+  token_bytes = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 4
+  budget_gb = budget_rows * (prompts.shape[1] + a.max_new) * token_bytes / 2**30
+  dense = EngineConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction)
+  paged = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction,
+                       kv_cache_gb=budget_gb, page_size=a.page_size, page_ahead=a.page_ahead)
 
   def waves(i: int, spec: bool):
     outs = []
@@ -129,8 +145,13 @@ def main(argv=None) -> dict:
     return [generate(target, prompts, lens, key, cfg, engine=queue,
                      tuning=tunings["continuous"])]
 
+  def at_budget(i: int, name: str):
+    return [generate(target, prompts, lens, jax.random.key(i), cfg,
+                     engine=dense if name == "dense" else paged, tuning=tunings[name])]
+
   fns = {"waves": lambda i: waves(i, False), "continuous": lambda i: continuous(i, False),
-         "waves_spec": lambda i: waves(i, True), "continuous_spec": lambda i: continuous(i, True)}
+         "waves_spec": lambda i: waves(i, True), "continuous_spec": lambda i: continuous(i, True),
+         "dense": lambda i: at_budget(i, "dense"), "paged": lambda i: at_budget(i, "paged")}
   fns = {k: fns[k] for k in a.arms}
   first, runs = {}, {k: {"seconds": [], "tokens": []} for k in fns}
   for name, fn in fns.items():
@@ -163,6 +184,12 @@ def main(argv=None) -> dict:
         for s in o.segments:
           steps[s.draft_len] += s.iterations
       rec["steps_by_k"] = {int(k): int(v) for k, v in sorted(steps.items())}
+    if name in ("dense", "paged"):
+      segs = [s for o in last[name] for s in o.segments]
+      steps = sum(s.iterations for s in segs)
+      rec["rows_max"] = budget_rows if name == "dense" else max(s.live_rows_start for s in segs)
+      rec["rows_mean"] = sum(s.live_rows_start * s.iterations for s in segs) / max(steps, 1)
+      rec["swapped_out"] = sum(s.swapped_out for s in segs)
     arms[name] = rec
 
   def ratio(num: str, den: str) -> float | None:
@@ -175,7 +202,8 @@ def main(argv=None) -> dict:
   ratios = {"continuous/waves": ratio("continuous", "waves"),
             "continuous_spec/waves": ratio("continuous_spec", "waves"),
             "continuous_spec/continuous": ratio("continuous_spec", "continuous"),
-            "waves_spec/waves": ratio("waves_spec", "waves")}
+            "waves_spec/waves": ratio("waves_spec", "waves"),
+            "paged/dense": ratio("paged", "dense")}
   log(f"\n{'arm':>16} {'tokens/s':>9} {'first s':>8} {'segments':>9} {'acc len':>8}  steps by K")
   for name, r in arms.items():
     acc = f"{r['acceptance_length']:8.2f}" if "acceptance_length" in r else f"{'':>8}"
@@ -184,11 +212,18 @@ def main(argv=None) -> dict:
   for k, v in ratios.items():
     if v is not None:
       log(f"{k:>28}: {v:.2f}x (median of paired rounds)")
+  rows_held = {k: {"max": arms[k]["rows_max"], "mean": arms[k]["rows_mean"]}
+               for k in ("dense", "paged") if k in arms}
+  if rows_held:
+    log(f"KV budget {budget_gb * 1024:.1f} MiB ({budget_rows} dense rows): rows held "
+        + ", ".join(f"{k} max {v['max']} / mean {v['mean']:.1f}" for k, v in rows_held.items()))
   summary = {"benchmark": "queue", "machine": be.machine(), "command": "python experiments/bench_queue.py " + " ".join(
                  sys.argv[1:] if argv is None else argv),
              "config": {k: v for k, v in vars(a).items() if k != "language"},
              "target_params": cfg_m.num_params(), "eos": list(eos), "length_quantiles": quantiles,
-             "arms": arms, "ratios": ratios, "wall_s": time.perf_counter() - t_start}
+             "arms": arms, "ratios": ratios, "rows": rows_held,
+             "kv_budget": {"gb": budget_gb, "dense_rows": budget_rows},
+             "wall_s": time.perf_counter() - t_start}
   write_json(a.out, summary)
   log(f"wrote {a.out} ({summary['wall_s']:.0f} s)")
   return summary

@@ -18,6 +18,7 @@ from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig
 from specjax.sampling import engine as eng
 from specjax.sampling.buckets import queue_slots
 from specjax.sampling.metrics import AcceptanceMetrics
+from specjax.sampling.paging import bytes_per_page
 from specjax.sharding import MeshConfig, make_mesh, shard_model
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -163,19 +164,30 @@ def plain_samples(target):
   return generate(target, prompts, lengths, jax.random.key(10), SAMPLE, engine=STATIC)
 
 
-@pytest.mark.parametrize("kind", ["ar", "ngram"])
+@pytest.mark.parametrize("kind", ["ar", "ngram", "paged"])
 def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, plain_samples,
                                                                       kind):
+  """`paged`: the n-gram arm on a KV pool of 300 pages of 2 positions, an eighth of what the 256
+  slots would hold at full length, so admissions wait for pages and rows wait to grow."""
   prompts, lengths = stat_prompts()
   engine = EngineConfig(max_rows=256, refill_fraction=0.125, max_buckets=2,
                         calibration_repeats=1)
+  if kind == "paged":
+    page_bytes = bytes_per_page(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 2, jnp.float32)
+    engine = dataclasses.replace(engine, kv_cache_gb=300 * page_bytes / 2**30, page_size=2,
+                                 page_ahead=1)
   if kind == "ar":
     out = generate(target, prompts, lengths, jax.random.key(20), SAMPLE, engine=engine)
   else:
+    # K fixed: adaptive K may retire a drafter its measured costs do not pay for (timing, so
+    # machine load), which would leave no drafts to test
     out = speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), prompts, lengths,
-                               jax.random.key(20), SAMPLE, engine=engine)
+                               jax.random.key(20), SAMPLE,
+                               engine=dataclasses.replace(engine, adaptive=False))
     accepted = AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens
     assert accepted > ROWS // 8, f"too few accepted drafts ({accepted}) to be a test"
+  if kind == "paged":
+    assert sum(s.waiting_for_pages for s in out.segments) > 0
   assert len(out.segments) > ROWS // 256  # the queue refilled
   a, b = categories(plain_samples), categories(out)
   num_cats = 2 * (CFG.vocab_size + 1)

@@ -15,6 +15,7 @@ from flax import nnx, struct
 from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm, causal_mask, param, segment_mask
+from specjax.models.paged import PagedKV
 
 
 @struct.dataclass
@@ -29,6 +30,8 @@ def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=No
   """Absolute positions [B, T] of the new tokens and the attention mask [B, T, S]."""
   if cache is not None:
     positions = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None]
+    if isinstance(cache, PagedKV):  # paged attention masks by position itself
+      return positions, None
     keys = jnp.broadcast_to(jnp.arange(cache.visible, dtype=jnp.int32), (batch, cache.visible))
     return positions, causal_mask(positions, keys)
   if positions is None:
@@ -126,17 +129,22 @@ class Decoder(nnx.Module):
     aux_ids = self.cfg.aux_layer_ids
     aux = {}
     new_k, new_v = [], []
+    paged = isinstance(cache, PagedKV)
     for i, layer in enumerate(self.layers):
       if i in aux_ids:
         aux[i] = x
-      if cache is None:
+      if paged:  # each layer writes into and reads from the shared pool
+        x, pool = layer(x, positions, None, cache.layer_view(i), cache.lengths)
+        cache = cache.replace(k=pool.k, v=pool.v)
+      elif cache is None:
         x, _ = remat_layer(layer, self.cfg.remat)(x, positions, mask, None, None, None, segments)
       else:
         x, (k, v) = layer(x, positions, mask, (cache.k[i], cache.v[i]), cache.lengths,
                           cache.visible)
         new_k.append(k)
         new_v.append(v)
-    new_cache = None if cache is None else cache.replace(k=tuple(new_k), v=tuple(new_v))
+    new_cache = cache if cache is None or paged else cache.replace(k=tuple(new_k),
+                                                                    v=tuple(new_v))
     return DecoderOutput(
         logits=self.head(x) if compute_logits else None,
         hidden=x,

@@ -15,6 +15,7 @@ from flax import nnx
 from specjax.models.attention import causal_attention
 from specjax.models.cache import write_keys, write_values
 from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.paged import PagedLayer
 
 NEG_INF = -1e30
 
@@ -128,6 +129,9 @@ class Attention(nnx.Module):
     each segment."""
     dt = self.dtype
     q, k, v = self.project(x, positions)
+    if isinstance(kv, PagedLayer):  # paged KV memory: the pool comes back in place of (k, v)
+      out, pool = kv.write_and_attend(q.astype(dt), k, v, write_at)
+      return self.output(out), pool
     if kv is not None:
       k, v = write_keys(kv[0], k, write_at), write_values(kv[1], v, write_at)
       ks, vs = (k, v) if visible is None else (k[..., :visible], v[:, :, :visible])

@@ -21,6 +21,7 @@ writes through them are dropped and attention treats their positions as empty, s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -39,6 +40,8 @@ class PagedKV:
   v: jax.Array  # [L, Hkv, num_pages, page_size, Dh]
   page_table: jax.Array  # int32[B, max_pages_per_row]; NO_PAGE where a row has no page
   lengths: jax.Array  # int32[B] committed tokens per row
+  # positions attention reads (static; 0 = the whole table), as `KVCache.window`
+  window: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, batch: int,
@@ -69,6 +72,26 @@ class PagedKV:
   def max_pages_per_row(self) -> int:
     return self.page_table.shape[1]
 
+  @property
+  def size(self) -> int:
+    """Positions a row's page table can address."""
+    return self.max_pages_per_row * self.page_size
+
+  @property
+  def visible(self) -> int:
+    return min(self.window, self.size) if self.window else self.size
+
+  def with_window(self, window: int) -> PagedKV:
+    return self.replace(window=int(window))
+
+  def capacity(self) -> jax.Array:
+    """int32[B]: positions each row's pages hold (pages are taken from the table's front)."""
+    held = (self.page_table >= 0) & (self.page_table < self.num_pages)
+    return jnp.sum(held, axis=1, dtype=jnp.int32) * self.page_size
+
+  def layer_view(self, layer: int) -> PagedLayer:
+    return PagedLayer(pool=self, layer=layer)
+
   def advance(self, n: jax.Array) -> PagedKV:
     """Commit `n[b]` freshly written entries of row b."""
     return self.replace(lengths=self.lengths + jnp.asarray(n, jnp.int32))
@@ -91,6 +114,26 @@ class PagedKV:
     start = self.lengths if start is None else start
     return paged_attention(q, self.k, self.v, self.page_table, start + q.shape[1], start,
                            layer=layer, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayer:
+  """One layer of a `PagedKV`, what a decoder layer's attention receives in place of a dense
+  layer's (k, v) buffers: it writes its new keys and attends through the pool, and hands the
+  updated pool on."""
+
+  pool: PagedKV
+  layer: int
+
+  def write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
+                       start: jax.Array) -> tuple[jax.Array, PagedKV]:
+    """Write k/v [B, T, Hkv, Dh] at `start`, then attend q [B, T, H, Dh] over each row's keys
+    up to its own position. Returns (attended [B, T, H, Dh], the updated pool)."""
+    pool = self.pool.write(self.layer, k, v, start)
+    visible = self.pool.visible
+    out = pool.attention(self.layer, q, start,
+                         max_len=None if visible >= pool.size else visible)
+    return out, pool
 
 
 def _stacked(pool_k, pool_v, layer):

@@ -80,6 +80,11 @@ class RolloutConfig:
   # into the slots of finished ones, refill_fraction of the slots at a time
   max_rows: int = _ENGINE.max_rows
   refill_fraction: float = _ENGINE.refill_fraction
+  # the target's KV memory for the rollouts in GiB: > 0 pages it (rows hold pages for the tokens
+  # they have; waiting rows are admitted while pages are free); 0: a dense max-length cache per
+  # slot
+  kv_cache_gb: float = _ENGINE.kv_cache_gb
+  page_size: int = _ENGINE.page_size
   # the adaptive engine's step costs: measured once per program, bucket and K, then read from the
   # machine's cost cache (a JSON file; "": $SPECJAX_COST_CACHE or ~/.cache/specjax/
   # engine_costs.json; "off": none, each run measures its own) and stored in every checkpoint,
@@ -104,6 +109,9 @@ class RolloutConfig:
            f"{self.max_rows}")
     _check(0 < self.refill_fraction <= 1, f"{w}.refill_fraction",
            f"must be in (0, 1], got {self.refill_fraction}")
+    _check(self.kv_cache_gb >= 0, f"{w}.kv_cache_gb",
+           f"must be >= 0 (0: dense caches), got {self.kv_cache_gb}")
+    _check(self.page_size >= 1, f"{w}.page_size", f"must be >= 1, got {self.page_size}")
     _check(self.cost_memory >= 0, f"{w}.cost_memory", f"must be >= 0 (0: no refinement), got "
            f"{self.cost_memory}")
 

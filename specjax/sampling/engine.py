@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from specjax.models.paged import PagedKV
+from specjax.sampling import paging
 from specjax.sampling.adaptive import DraftLenPolicy
 from specjax.sampling.calibration import EngineTuning
 from specjax.sampling.core import Rollout, SamplingConfig, finish
@@ -30,7 +32,8 @@ from specjax.sampling.buckets import (bucket_sizes, data_parallel_size, prompt_g
 from specjax.sampling.drafter import Drafter
 from specjax.sampling.engine_config import EngineConfig, Segment
 from specjax.sampling.metrics import AcceptanceCounts
-from specjax.sampling.segment import EngineState, SegmentSpec, init_state, run_segment, take_rows
+from specjax.sampling.segment import (EngineState, SegmentSpec, init_state, map_rows,
+                                      release_pages, run_segment, take_rows)
 
 def params_mesh(params):
   """The mesh the parameters are sharded over, when they are (more than one device)."""
@@ -47,7 +50,8 @@ def params_mesh(params):
 # -- the engine -----------------------------------------------------------------------------------
 
 _init_jit = jax.jit(init_state, static_argnames=("graphdef", "drafter", "cfg", "cache_size",
-                                                 "max_draft_len", "mesh", "group"))
+                                                 "max_draft_len", "mesh", "group",
+                                                 "target_cache_size"))
 _segment_jit = jax.jit(run_segment, static_argnames=("graphdef", "drafter", "spec", "mesh"))
 _take_jit = jax.jit(take_rows)
 _finish_jit = jax.jit(finish, static_argnames=("cfg",))
@@ -59,14 +63,14 @@ def _summary(state: EngineState):
   counts = state.counts.pooled()
   return (live, jnp.where(live, state.seq.lengths, 0),
           jnp.sum(jnp.where(state.row_ids >= 0, state.lengths, 0)),
-          counts.num_drafts, counts.accepted_per_position, state.row_ids)
+          counts.num_drafts, counts.accepted_per_position, state.row_ids, state.slots)
 
 
 @jax.jit
 def _write_back(out: EngineState, state: EngineState) -> EngineState:
   """Rows of a bucket state back into the full-size state at their slots (padding dropped)."""
   idx = jnp.where(state.row_ids >= 0, state.slots, out.done.shape[0])
-  return jax.tree.map(lambda o, s: o.at[idx].set(s, mode="drop"), out, state)
+  return map_rows(lambda o, s: o.at[idx].set(s, mode="drop"), out, state)
 
 
 @struct.dataclass
@@ -88,7 +92,7 @@ def _harvest(results: Results, state: EngineState) -> tuple[Results, EngineState
   mine = Results(tokens=state.tokens, logprobs=state.logprobs, lengths=state.lengths,
                  counts=state.counts)
   results = jax.tree.map(lambda r, x: r.at[idx].set(x, mode="drop"), results, mine)
-  return results, state.replace(row_ids=jnp.where(take, -1, state.row_ids))
+  return results, release_pages(state.replace(row_ids=jnp.where(take, -1, state.row_ids)), take)
 
 
 @jax.jit
@@ -105,7 +109,8 @@ def compiled_programs() -> int:
   """Programs the engine has compiled in this process (prefills, segments, compaction's
   gathers, summaries and write-backs, and the queue's harvests and admissions)."""
   return sum(f._cache_size() for f in (_init_jit, _segment_jit, _take_jit, _summary, _write_back,
-                                       _harvest, _admit))
+                                       _harvest, _admit, paging.start_paged, paging.admit_paged,
+                                       paging.read_pages, paging.write_pages))
 
 
 class _Run:
@@ -138,7 +143,7 @@ class _Run:
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
-              stop_at_live: int):
+              stop_at_live: int, stop_at_paused: int = 1):
     observe = k > 0 or (self.drafter is not None and self.drafter.stateful and
                         not self.policy.retired)
     drafter = self.drafter if observe else None
@@ -146,7 +151,8 @@ class _Run:
       drafter = dataclasses.replace(drafter, draft_len=max(k, 1))
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
     return _segment_jit(self.graphdef, self.params, drafter, self.drafter_params, key, state,
-                        jnp.int32(max_iters), jnp.int32(stop_at_live), spec=spec, mesh=self.mesh)
+                        jnp.int32(max_iters), jnp.int32(stop_at_live), spec=spec, mesh=self.mesh,
+                        stop_at_paused=jnp.int32(stop_at_paused))
 
   def cost_key(self, bucket: int, k: int) -> tuple:
     return (self.program_id, bucket, k)
@@ -213,13 +219,43 @@ class _Run:
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
     drafter = None if self.drafter is None else \
         dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
+    # a paged run prefills into a prompt-wide dense buffer, then copies it into pages
+    target_size = prompts.shape[1] if self.engine.kv_cache_gb else 0
     return _init_jit(self.graphdef, self.params, drafter, self.drafter_params, prompts,
                      prompt_lengths, key, cfg=self.cfg, cache_size=self.cache_size,
-                     max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group)
+                     max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group,
+                     target_cache_size=target_size)
+
+  def start_pages(self, state: EngineState, prompt_lengths: np.ndarray, group: int):
+    """The pool for a paged run and its first rows: whole prompt groups take pages in order
+    while the pool has them. Returns (state, pages, rows that found none: back to the queue)."""
+    dense = state.cache
+    _, hkv, dh, _ = dense.k[0].shape
+    page_size = self.engine.page_size
+    page_bytes = paging.bytes_per_page(len(dense.k), hkv, dh, page_size, dense.k[0].dtype)
+    num_pages = paging.pool_size(self.engine.kv_cache_gb, page_bytes, page_size,
+                                 self.cache_size)
+    pages = paging.SlotPages(num_pages, page_size, self.cache_size, self.engine.page_ahead)
+    slots = state.done.shape[0]
+    admitted = np.zeros(slots, bool)
+    for first in range(0, slots, group):
+      rows = np.arange(first, first + group)
+      if not pages.admit(rows, prompt_lengths[rows] + 1, self.k_max):
+        break
+      admitted[rows] = True
+    pool = PagedKV.create(len(dense.k), num_pages, page_size, slots, pages.max_pages, hkv, dh,
+                          dense.k[0].dtype)
+    table = pages.table(np.arange(slots), np.where(admitted, 0, -1))
+    state = paging.start_paged(state, pool, jnp.asarray(table), jnp.asarray(admitted))
+    return state, pages, np.flatnonzero(~admitted)
 
   def run(self, prompts, prompt_lengths, key) -> Rollout:
     batch = prompts.shape[0]
     dp = data_parallel_size(self.mesh)
+    paged = self.engine.kv_cache_gb > 0
+    if paged and self.mesh is not None:
+      raise ValueError("EngineConfig.kv_cache_gb: paged KV memory runs on one device, not yet "
+                       "on a mesh; use dense caches (kv_cache_gb=0) on a mesh")
     group = prompt_group(prompts, prompt_lengths, dp) if self.engine.share_prefill else 1
     # a queue: `slots` rows step at once, `refill` waiting rows are admitted at a time
     queue_ok = self.drafter is None or self.drafter.row_local
@@ -239,27 +275,52 @@ class _Run:
                       lengths=jnp.zeros((batch,), jnp.int32),
                       counts=AcceptanceCounts.zeros(state.counts.draft_len, batch))
     queue = np.arange(slots, batch)  # the caller's rows still waiting, in order
-    admissions = 0
+    pages, host_lengths = None, None
+    if paged:
+      host_lengths = np.asarray(jax.device_get(prompt_lengths))
+      state, pages, unplaced = self.start_pages(state, host_lengths, group)
+      queue = np.concatenate([unplaced, queue]).astype(np.int64)
+    admissions, swaps_before = 0, 0
 
     def admit(state, free_slots):
-      """Prefill the next `refill` waiting rows (padding past the queue's end) into free slots."""
+      """Prefill the next `refill` waiting rows (padding past the queue's end) into free slots;
+      a paged run admits the whole prompt groups its free pages hold (None: not one)."""
       nonlocal queue, admissions
       rows = queue[:refill]
-      queue = queue[refill:]
+      into = free_slots[:refill]
+      if paged:
+        placed = 0
+        while placed < len(rows) and pages.admit(into[placed:placed + group],
+                                                 host_lengths[rows[placed:placed + group]] + 1,
+                                                 self.k_max):
+          placed += group
+        if not placed:
+          return None
+        rows = rows[:placed]
+      queue = queue[len(rows):]
       take = np.concatenate([rows, np.full(refill - len(rows), rows[-1])]).astype(np.int32)
       ids = np.concatenate([rows, np.full(refill - len(rows), -1)]).astype(np.int32)
       admissions += 1
       new = self.prefill(prompts[take], prompt_lengths[take],
                          jax.random.fold_in(key_prefill, admissions), group)
-      return _admit(state, new, jnp.asarray(free_slots[:refill], jnp.int32), jnp.asarray(ids))
+      into, ids = jnp.asarray(into, jnp.int32), jnp.asarray(ids)
+      if paged:
+        return paging.admit_paged(state, new, into, ids,
+                                  jnp.asarray(pages.table(np.asarray(into), np.asarray(ids))))
+      return _admit(state, new, into, ids)
 
     queue_jobs = ()
     if len(queue):  # the admission programs compile with the others (results discarded)
       probe_rows = jnp.arange(refill, dtype=jnp.int32)
+      admit_fn = _admit if not paged else lambda s, n, a, b: paging.admit_paged(
+          s, n, a, b, jnp.full((refill, pages.max_pages), -1, jnp.int32))
       queue_jobs = (lambda: _harvest(results, state),
-                    lambda: _admit(state, self.prefill(prompts[:refill], prompt_lengths[:refill],
-                                                       key_prefill, group),
-                                   probe_rows, probe_rows))
+                    lambda: admit_fn(state, self.prefill(prompts[:refill],
+                                                         prompt_lengths[:refill], key_prefill,
+                                                         group),
+                                     probe_rows, probe_rows))
+    if paged:  # swapping's page copies
+      queue_jobs += (lambda: pages.compile_swaps(state.cache),)
     self.prepare_buckets(state, buckets, queue_jobs)
     out, bucket, total_steps = state, slots, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
@@ -267,36 +328,55 @@ class _Run:
     # one host round trip per segment: the summary after a segment is the next one's "before"
     summary = jax.device_get(_summary(state))
     while True:
-      live_mask, seq_lengths, tokens_before, drafts0, acc0, row_ids = summary
+      live_mask, seq_lengths, tokens_before, drafts0, acc0, row_ids, homes = summary
       live = int(live_mask.sum())
+      if paged:  # pages: finished rows give theirs back, live rows take more, swaps
+        state = self.visit_pages(state, pages, summary)
+      no_pages = False  # waiting rows found free slots but no pages
       while len(queue) and slots - live >= refill:  # admit waiting rows into free slots
         results, state = _harvest(results, state)
         # one read of the free slots per refill, not per admission
         free = np.flatnonzero(np.asarray(jax.device_get(state.row_ids)) < 0)
+        admitted = False
         while len(queue) and len(free) >= refill:
-          state = admit(state, free)
+          new_state = admit(state, free)
+          if new_state is None:  # no pages: wait for rows to finish
+            no_pages = True
+            break
+          state, admitted = new_state, True
           free, live = free[refill:], live + refill
         out = state
         # (an admitted row can be done at once: its first token ended it)
         summary = jax.device_get(_summary(state))
-        live_mask, seq_lengths, tokens_before, drafts0, acc0, row_ids = summary
+        live_mask, seq_lengths, tokens_before, drafts0, acc0, _, homes = summary
         live = int(live_mask.sum())
+        if not admitted:
+          break
       if live == 0:
-        break
+        if not len(queue):
+          break
+        # every row is done: the pages of rows that ended at their first token come back at
+        # the next visit; with every page free, a prompt group must fit
+        if not paged or pages.alloc.pages_in_use == 0:
+          raise ValueError(
+              f"EngineConfig.kv_cache_gb={self.engine.kv_cache_gb}: the pool's "
+              f"{pages.alloc.num_pages} pages cannot hold the first pages of one prompt group "
+              f"({group} rows); raise kv_cache_gb or lower page_ahead")
+        continue
       fits = [b for b in buckets if b >= live]
       if compact and not len(queue) and fits[-1] < bucket:
         # gather the live rows into the smallest bucket, from the full-size state (brought up
         # to date first): one gather program per bucket, which `prepare_buckets` compiles,
         # whichever bucket the rows come from
         out = _write_back(out, state)
-        home = np.asarray(jax.device_get(state.slots))
-        rows = home[np.flatnonzero(live_mask)]
+        rows = homes[np.flatnonzero(live_mask)]
         new = fits[-1]
         idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
         pad = np.arange(new) >= live
         state, bucket = _take_jit(out, jnp.asarray(idx), jnp.asarray(pad)), new
         # token and acceptance counts now cover only the rows in the bucket
-        live_mask, seq_lengths, tokens_before, drafts0, acc0, _ = jax.device_get(_summary(state))
+        summary = jax.device_get(_summary(state))
+        live_mask, seq_lengths, tokens_before, drafts0, acc0, _, homes = summary
       longest = int(seq_lengths.max())
       k, expected = self.policy.choose(lambda k: self.cost(state, bucket, k, longest), live)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
@@ -308,16 +388,19 @@ class _Run:
         jax.block_until_ready(self.segment(state, self.probe_key, bucket, k, window, 0, 0))
         self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
         self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
-      if len(queue):  # return once `refill` slots are free
-        stop_at_live = slots - refill
+      if len(queue):  # return once `refill` slots are free (or pages: once a row ends)
+        stop_at_live = live - 1 if no_pages else slots - refill
       else:
         smaller = [b for b in buckets if b < bucket]
         stop_at_live = smaller[0] if compact and smaller else 0
       t0 = time.perf_counter()
+      # (paged) a segment also returns once a refill's worth more rows wait for pages
+      waiting = pages.paused if paged else 0
+      paused = waiting + max(refill if len(queue) else live // 8, 1)
       state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
-                                  bucket, k, window, max_iters, stop_at_live)
+                                  bucket, k, window, max_iters, stop_at_live, paused)
       summary = jax.device_get(_summary(state))
-      _, _, tokens_after, drafts1, acc1, _ = summary
+      tokens_after, drafts1, acc1 = summary[2:5]
       seconds = time.perf_counter() - t0
       iters = int(iters)
       total_steps += iters
@@ -330,15 +413,28 @@ class _Run:
                                    live_rows_start=live, iterations=iters,
                                    tokens=int(tokens_after - tokens_before), seconds=seconds,
                                    expected_tokens_per_s=expected,
-                                   drafter_retired=self.policy.retired))
+                                   drafter_retired=self.policy.retired,
+                                   pages_in_use=pages.alloc.pages_in_use if paged else 0,
+                                   swapped_out=pages.swaps - swaps_before if paged else 0,
+                                   waiting_for_pages=waiting))
+      swaps_before = pages.swaps if paged else 0
     out = _write_back(out, state)
     results, _ = _harvest(results, out)
+    self.pages = pages
     stats = None
     if self.drafter is not None:
       stats = results.counts if self.k_max >= 1 else AcceptanceCounts.zeros(1, batch)
     rollout = _finish_jit(prompts, prompt_lengths, results.tokens, results.logprobs,
                           results.lengths, self.cfg, jnp.int32(total_steps), stats)
     return rollout.replace(segments=tuple(self.segments))
+
+  def visit_pages(self, state: EngineState, pages: paging.SlotPages, summary) -> EngineState:
+    """`SlotPages.visit` between segments, then the state's page table brought up to date."""
+    live_mask, seq_lengths, _, _, _, row_ids, homes = summary
+    # (summary lengths are 0 for rows that are not live)
+    cache = pages.visit(state.cache, live_mask, seq_lengths, homes, self.k_max)
+    table = pages.table(homes, row_ids)
+    return state.replace(cache=cache.with_page_table(jnp.asarray(table)))
 
 
 def run_engine(graphdef, params, drafter: Drafter | None, drafter_params, prompts: jax.Array,

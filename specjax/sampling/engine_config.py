@@ -18,6 +18,12 @@ class EngineConfig:
   # a segment returns to admit waiting rows once this fraction of the slots is free (rounded up
   # to whole prompt groups); each admission is one prefill of that many rows
   refill_fraction: float = 0.125
+  # the target's KV memory in GiB: > 0 pages it (rows take pages of page_size positions as they
+  # grow, `paging.py`) and admits waiting rows while pages are free; 0: a dense cache of the
+  # longest possible row per slot
+  kv_cache_gb: float = 0.0
+  page_size: int = 16
+  page_ahead: int = 32  # positions of pages a row takes beyond its next step when it grows
   compaction: bool = True  # gather live rows into the next bucket when they fit
   min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
   max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
@@ -58,6 +64,10 @@ class EngineConfig:
           f"{self.max_rows}")
     check(0 < self.refill_fraction <= 1, "refill_fraction",
           f"must be in (0, 1], got {self.refill_fraction}")
+    check(self.kv_cache_gb >= 0, "kv_cache_gb", f"must be >= 0 (0: dense caches), got "
+          f"{self.kv_cache_gb}")
+    check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
+    check(self.page_ahead >= 1, "page_ahead", f"must be >= 1, got {self.page_ahead}")
     check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
     check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
     check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
@@ -102,6 +112,9 @@ class Segment:
   # the drafter was set aside for the rest of the rollout: no K > 0 can beat plain AR at the
   # acceptance measured so far, so its state is no longer kept up to date (K = 0 without it)
   drafter_retired: bool = False
+  pages_in_use: int = 0  # paged KV: pages held when the segment started (0: dense caches)
+  swapped_out: int = 0  # paged KV: rows swapped out to host memory just before the segment
+  waiting_for_pages: int = 0  # paged KV: live rows that started the segment without pages
 
   @property
   def tokens_per_s(self) -> float:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.models.cache import KVCache
+from specjax.models.paged import NO_PAGE, PagedKV
 from specjax.sampling.core import SamplingConfig, is_eos, prefill
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import AcceptanceCounts
@@ -28,7 +29,9 @@ from specjax.sharding.rules import K_CACHE_AXES, V_CACHE_AXES, with_logical_cons
 @struct.dataclass
 class EngineState:
   seq: Sequences  # committed tokens (prompt + completion); seq.lengths = prompt + generated
-  cache: KVCache  # target cache: every committed token except the last one
+  # target cache: every committed token except the last one. Dense (a max-length buffer per row)
+  # or paged (rows hold pages of one shared pool: only `page_table` and `lengths` are per row)
+  cache: KVCache | PagedKV
   tokens: jax.Array  # int32[b, N + Kmax + 1] completion buffer
   logprobs: jax.Array  # float32[b, N + Kmax + 1]
   lengths: jax.Array  # int32[b] completion lengths
@@ -40,7 +43,19 @@ class EngineState:
 
 
 def is_cache(x) -> bool:
-  return isinstance(x, KVCache)
+  return isinstance(x, (KVCache, PagedKV))
+
+
+def map_rows(fn, *states):
+  """`fn` over every per-row array of the states (leading axis = rows). A paged cache's pool is
+  shared by all rows, not per row: it is taken from the last state as it is."""
+  def one(*xs):
+    if isinstance(xs[-1], PagedKV):
+      return xs[-1].replace(page_table=fn(*(x.page_table for x in xs)),
+                            lengths=fn(*(x.lengths for x in xs)))
+    return fn(*xs)
+
+  return jax.tree.map(one, *states, is_leaf=lambda x: isinstance(x, PagedKV))
 
 
 def with_window(state: EngineState, window: int) -> EngineState:
@@ -56,6 +71,9 @@ def constrain(state: EngineState, mesh) -> EngineState:
     return state
 
   def one(x):
+    if isinstance(x, PagedKV):  # the pool is not per row (paged runs on one device)
+      return x.replace(page_table=with_logical_constraint(x.page_table, ("batch", None), mesh),
+                       lengths=with_logical_constraint(x.lengths, ("batch",), mesh))
     if is_cache(x):
       k = lambda a: with_logical_constraint(a, K_CACHE_AXES, mesh)
       v = lambda a: with_logical_constraint(a, V_CACHE_AXES, mesh)
@@ -68,8 +86,27 @@ def constrain(state: EngineState, mesh) -> EngineState:
 
 def take_rows(state: EngineState, idx: jax.Array, pad: jax.Array) -> EngineState:
   """The rows `idx` of a state (compaction); slots where `pad` is True become finished padding."""
-  state = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), state)
-  return state.replace(done=state.done | pad, row_ids=jnp.where(pad, -1, state.row_ids))
+  state = map_rows(lambda x: jnp.take(x, idx, axis=0), state)
+  state = state.replace(done=state.done | pad, row_ids=jnp.where(pad, -1, state.row_ids))
+  return release_pages(state, pad)
+
+
+def release_pages(state: EngineState, rows: jax.Array) -> EngineState:
+  """Rows (bool[b]) of a paged state lose their page-table entries, so whatever a step computes
+  for them is written nowhere (their pages may belong to another row now)."""
+  if not isinstance(state.cache, PagedKV):
+    return state
+  table = jnp.where(rows[:, None], NO_PAGE, state.cache.page_table)
+  return state.replace(cache=state.cache.with_page_table(table))
+
+
+def paused_rows(s: EngineState, draft_len: int) -> jax.Array:
+  """bool[b]: live rows whose pages cannot hold the next step's writes (positions up to
+  seq.lengths - 1 + K). A paused row steps like the others but commits nothing (its sample is
+  discarded, so its distribution is unchanged) until the host gives it pages."""
+  if not isinstance(s.cache, PagedKV):
+    return jnp.zeros_like(s.done)
+  return ~s.done & (s.seq.lengths + draft_len > s.cache.capacity())
 
 
 def scatter(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
@@ -83,22 +120,26 @@ def scatter(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) 
 
 def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompts, prompt_lengths,
                key, cfg: SamplingConfig, cache_size: int, max_draft_len: int,
-               mesh=None, group: int = 1) -> EngineState:
+               mesh=None, group: int = 1, target_cache_size: int = 0) -> EngineState:
   """Prefill the prompts, sample each row's first token, let the drafter see the prompts.
 
   `group` > 1: the rows come in consecutive blocks of `group` copies of one prompt (a GRPO group),
   so the target prefills each distinct prompt once and every row of a block gets its cache,
-  hidden states and last logits; each row still samples its own first token."""
+  hidden states and last logits; each row still samples its own first token.
+
+  `target_cache_size` (0: `cache_size`) sizes the target's dense prefill cache: a paged engine
+  prefills into a prompt-wide buffer and copies it into its pages (`paging.to_paged`)."""
   target = nnx.merge(graphdef, params)
   batch, width = prompts.shape
   n = cfg.max_new_tokens
+  target_size = target_cache_size or cache_size
   if group > 1:
     pre_out, cache, logits = prefill(target, prompts[::group], prompt_lengths[::group],
-                                     cache_size)
+                                     target_size)
     pre_out, cache, logits = jax.tree.map(lambda x: jnp.repeat(x, group, axis=0),
                                           (pre_out.replace(cache=None), cache, logits))
   else:
-    pre_out, cache, logits = prefill(target, prompts, prompt_lengths, cache_size)
+    pre_out, cache, logits = prefill(target, prompts, prompt_lengths, target_size)
   first, first_lp = sample_token(key, logits, temperature=cfg.temperature, top_k=cfg.top_k,
                                  top_p=cfg.top_p)
   rows = jnp.arange(batch)
@@ -127,15 +168,17 @@ def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompt
 
 # -- steps --------------------------------------------------------------------------------------
 
-def _commit(s: EngineState, cfg: SamplingConfig, emitted, emitted_lp, num_valid) -> tuple:
+def _commit(s: EngineState, cfg: SamplingConfig, emitted, emitted_lp, num_valid,
+            paused) -> tuple:
   """Commit each live row's emitted window up to (and including) its first EOS, within
-  max_new_tokens. Returns (commit int32[b], new lengths, new done, new seq)."""
+  max_new_tokens; `paused` rows commit nothing. Returns (commit int32[b], new lengths, new done,
+  new seq)."""
   n, width = cfg.max_new_tokens, emitted.shape[1]
   pos = jnp.arange(width)[None, :]
   eos_at = jnp.where(is_eos(emitted, cfg.eos_ids) & (pos < num_valid[:, None]), pos, width)
   first_eos = jnp.min(eos_at, axis=1)
   commit = jnp.minimum(jnp.minimum(num_valid, first_eos + 1), n - s.lengths)
-  commit = jnp.where(~s.done, commit, 0).astype(jnp.int32)
+  commit = jnp.where(~s.done & ~paused, commit, 0).astype(jnp.int32)
   lengths = s.lengths + commit
   done = s.done | (~s.done & (first_eos < commit)) | (lengths >= n)
   seq = s.seq.replace(tokens=scatter(s.seq.tokens, emitted, s.seq.lengths, commit),
@@ -156,7 +199,7 @@ def ar_step(target, drafter: Drafter | None, drafter_params, cfg: SamplingConfig
   tok, lp = sample_token(key, out.logits[:, 0], temperature=cfg.temperature, top_k=cfg.top_k,
                          top_p=cfg.top_p)
   commit, lengths, done, seq = _commit(s, cfg, tok[:, None], lp[:, None],
-                                       jnp.ones_like(s.lengths))
+                                       jnp.ones_like(s.lengths), paused_rows(s, 0))
   dstate = s.drafter_state
   if drafter is not None and drafter.stateful:
     dstate = drafter.observe(drafter_params, dstate, TargetStep(
@@ -180,7 +223,9 @@ def speculative_step(target, drafter: Drafter, drafter_params, cfg: SamplingConf
   out = target(inputs, cache=s.cache)
   res = verify(key_verify, out.logits, drafts, draft_probs, temperature=cfg.temperature,
                top_k=cfg.top_k, top_p=cfg.top_p)
-  commit, lengths, done, seq = _commit(s, cfg, res.tokens, res.logprobs, res.num_accepted + 1)
+  paused = paused_rows(s, drafter.draft_len)
+  commit, lengths, done, seq = _commit(s, cfg, res.tokens, res.logprobs, res.num_accepted + 1,
+                                       paused)
   dstate = drafter.observe(drafter_params, dstate, TargetStep(
       input_tokens=inputs, next_tokens=res.tokens, start=s.cache.lengths, num_new=commit,
       out=out))
@@ -188,7 +233,7 @@ def speculative_step(target, drafter: Drafter, drafter_params, cfg: SamplingConf
                    tokens=scatter(s.tokens, res.tokens, s.lengths, commit),
                    logprobs=scatter(s.logprobs, res.logprobs, s.lengths, commit),
                    lengths=lengths, done=done, drafter_state=dstate,
-                   counts=s.counts.update(res.num_accepted, ~s.done))
+                   counts=s.counts.update(res.num_accepted, ~s.done & ~paused))
 
 
 # -- a segment ----------------------------------------------------------------------------------
@@ -203,9 +248,11 @@ class SegmentSpec:
 
 
 def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, state, max_iters,
-                stop_at_live, spec: SegmentSpec, mesh=None) -> tuple[EngineState, jax.Array]:
+                stop_at_live, spec: SegmentSpec, mesh=None,
+                stop_at_paused=1) -> tuple[EngineState, jax.Array]:
   """Step until every row is done, live rows <= `stop_at_live`, a live row would write past the
-  window, or `max_iters` steps ran. Returns (state, steps run)."""
+  window, `max_iters` steps ran, or (paged) `stop_at_paused` live rows, or all of them, wait for
+  pages. Returns (state, steps run)."""
   target = nnx.merge(graphdef, params)
   k, window = spec.draft_len, spec.window
   if k > 0 and drafter.draft_len != k:
@@ -217,6 +264,9 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
     it, s = carry
     live = ~s.done
     ok = (it < max_iters) & (jnp.sum(live) > stop_at_live)
+    if isinstance(s.cache, PagedKV):
+      paused = jnp.sum(paused_rows(s, k))
+      ok &= (paused < jnp.maximum(stop_at_paused, 1)) & (paused < jnp.sum(live))
     if window:  # a step writes cache positions up to seq.lengths - 1 + K
       longest = jnp.max(jnp.where(live, s.seq.lengths, 0))
       ok &= longest + k <= window

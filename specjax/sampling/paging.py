@@ -1,0 +1,199 @@
+"""The engine's paged KV memory: a pool of target KV pages (`specjax.models.paged`) shared by the
+slots, handed out by a host `PageAllocator` as rows grow, so a slot holds memory for the tokens
+its row has, not for the longest row the run allows.
+
+Between segments the engine asks `SlotPages.visit` what to do: finished rows give their pages
+back, live rows near the end of their pages take more (`page_ahead` tokens at a time, so a
+segment runs many steps before a row needs the host again), and when rows cannot grow the most
+recently admitted rows are swapped out (their pages copied to host memory and freed; the row
+keeps its slot, paused, and its pages come back, copied in, once pages are free). A row that
+waits for pages commits nothing (`segment.paused_rows`), so no row's distribution changes.
+Waiting rows are admitted only while no admitted row waits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models.paged import NO_PAGE, PagedKV, write
+from specjax.sampling.pages import PADDING_ROW, PageAllocator
+from specjax.sampling.segment import EngineState, map_rows
+
+
+def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
+                   dtype) -> int:
+  """Keys and values of `page_size` tokens over every layer."""
+  return 2 * num_layers * num_kv_heads * page_size * head_dim * jnp.dtype(dtype).itemsize
+
+
+def pool_size(kv_cache_gb: float, page_bytes: int, page_size: int, cache_size: int) -> int:
+  """Pages in a pool of `kv_cache_gb` GiB; ValueError when one row of `cache_size` positions
+  (prompt + max_new_tokens + K + 1) cannot fit in it."""
+  num_pages = int(kv_cache_gb * 2**30 // page_bytes)
+  need = -(-cache_size // page_size)
+  if num_pages < need:
+    raise ValueError(
+        f"EngineConfig.kv_cache_gb={kv_cache_gb}: holds {num_pages} pages of {page_size} tokens "
+        f"({page_bytes / 2**20:.3f} MiB each), but one row needs up to {need} pages "
+        f"({cache_size} positions: prompt + max_new_tokens + K + 1); raise kv_cache_gb to at "
+        f"least {need * page_bytes / 2**30:.4f}")
+  return num_pages
+
+
+# -- device side ----------------------------------------------------------------------------------
+
+@jax.jit
+def to_paged(state: EngineState, pool: PagedKV, table: jax.Array) -> EngineState:
+  """A prefilled state with a dense target cache -> the same rows on `pool`: each row's cached
+  positions written into the pages of its row of `table` (int32[b, max_pages]; NO_PAGE rows
+  write nothing)."""
+  dense = state.cache
+  for layer in range(len(dense.k)):
+    k = jnp.transpose(dense.k[layer], (0, 3, 1, 2))  # [b, Hkv, Dh, S] -> [b, S, Hkv, Dh]
+    v = jnp.transpose(dense.v[layer], (0, 2, 1, 3))  # [b, Hkv, S, Dh] -> [b, S, Hkv, Dh]
+    pk, pv = write(pool.k, pool.v, k, v, table, jnp.zeros_like(dense.lengths), layer=layer)
+    pool = pool.replace(k=pk, v=pv)
+  return state.replace(cache=pool.replace(page_table=jnp.asarray(table, jnp.int32),
+                                          lengths=dense.lengths))
+
+
+@jax.jit
+def start_paged(state: EngineState, pool: PagedKV, table: jax.Array,
+                admitted: jax.Array) -> EngineState:
+  """The engine's first prefilled rows on `pool`; rows not `admitted` (no pages for them yet)
+  become free slots, to be admitted again later."""
+  state = to_paged(state, pool, table)
+  return state.replace(done=state.done | ~admitted,
+                       row_ids=jnp.where(admitted, state.row_ids, -1))
+
+
+@jax.jit
+def admit_paged(state: EngineState, new: EngineState, slots: jax.Array, row_ids: jax.Array,
+                table: jax.Array) -> EngineState:
+  """`engine._admit` for a paged state: the prefilled rows `new` (dense prompt caches) into
+  their pages and their free `slots` as the caller's `row_ids` (-1: padding, dropped)."""
+  new = to_paged(new, state.cache, table)
+  idx = jnp.where(row_ids >= 0, slots, state.done.shape[0])
+  new = new.replace(row_ids=row_ids, slots=slots)
+  return map_rows(lambda o, s: o.at[idx].set(s, mode="drop"), state, new)
+
+
+@jax.jit
+def read_pages(pool: PagedKV, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
+  idx = jnp.clip(pages, 0, pool.num_pages - 1)
+  return pool.k[:, :, idx], pool.v[:, :, idx]
+
+
+@jax.jit
+def write_pages(pool: PagedKV, pages: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
+  idx = jnp.where((pages >= 0) & (pages < pool.num_pages), pages, pool.num_pages)
+  return pool.replace(k=pool.k.at[:, :, idx].set(k, mode="drop"),
+                      v=pool.v.at[:, :, idx].set(v, mode="drop"))
+
+
+def _padded(pages, width: int) -> jax.Array:
+  out = np.full((width,), NO_PAGE, np.int32)
+  out[:len(pages)] = pages
+  return jnp.asarray(out)
+
+
+# -- host side ------------------------------------------------------------------------------------
+
+class SlotPages:
+  """Which pages each slot of the engine holds, and the rows swapped out to host memory."""
+
+  def __init__(self, num_pages: int, page_size: int, cache_size: int, page_ahead: int):
+    self.max_pages = -(-cache_size // page_size)
+    self.alloc = PageAllocator(num_pages, page_size, self.max_pages)
+    self.page_size, self.cache_size = page_size, cache_size
+    self.ahead = max(page_ahead, 1)
+    self.swapped: dict[int, tuple] = {}  # slot -> (k, v, pages held) on the host
+    self.waiting = False  # an admitted row waits for pages: admit no new rows
+    self.paused = 0  # live rows without pages for their next step after the last visit
+    self.swaps = 0  # rows swapped out so far
+    self.peak_pages = 0
+
+  def tokens_for(self, seq_len: int, draft_len: int) -> int:
+    """Positions a row of `seq_len` committed tokens takes pages for: its next steps' writes
+    (up to seq_len - 1 + K) and `page_ahead` more, within the cache size."""
+    return min(seq_len + draft_len + self.ahead, self.cache_size)
+
+  def admit(self, slots, seq_lens, draft_len: int) -> bool:
+    """Take pages for new rows in `slots` (all or none). The slots are free: pages a finished
+    row there still holds (it ended after the last visit) come back first."""
+    for slot in slots:
+      if int(slot) in self.alloc:
+        self.alloc.release(int(slot))
+    taken = []
+    for slot, n in zip(slots, seq_lens):
+      if self.waiting or not self.alloc.admit(int(slot), self.tokens_for(int(n), draft_len)):
+        for t in taken:
+          self.alloc.release(t)
+        return False
+      taken.append(int(slot))
+    self._note()
+    return True
+
+  def table(self, homes, row_ids) -> np.ndarray:
+    """int32[len(homes), max_pages]: the pages of each bucket row's home slot; NO_PAGE for
+    padding and for rows that hold none (finished, free or swapped out)."""
+    rows = [int(h) if r >= 0 and int(h) in self.alloc else PADDING_ROW
+            for h, r in zip(homes, row_ids)]
+    return self.alloc.page_table(rows, self.max_pages)
+
+  def visit(self, cache: PagedKV, live, seq_lens, homes, draft_len: int) -> PagedKV:
+    """Between segments: free the pages of rows no longer live, bring swapped rows back where
+    pages allow, give live rows pages for their next steps, and swap out the newest rows when
+    the rows that wait for pages would otherwise stall the batch. Returns the pool with the
+    copies made (the caller sets the page table from `table`)."""
+    live_slots = {int(h): int(n) for h, n, ok in zip(homes, seq_lens, live) if ok}
+    for slot in self.alloc.rows:
+      if slot not in live_slots:
+        self.alloc.release(slot)
+    for slot in list(self.swapped):  # oldest swap first
+      k, v, held = self.swapped[slot]
+      if not self.alloc.admit(slot, max(held, self.tokens_for(live_slots[slot], draft_len))):
+        break
+      cache = write_pages(cache, _padded(self.alloc.row_pages(slot), self.max_pages), k, v)
+      del self.swapped[slot]
+    short = []  # live rows whose pages cannot hold their next step
+    for slot in self.alloc.rows:  # oldest admission first
+      n = live_slots[slot]
+      room = len(self.alloc.row_pages(slot)) * self.page_size
+      if room - n >= draft_len + self.ahead // 2:
+        continue
+      if not self.alloc.grow(slot, self.tokens_for(n, draft_len)) and \
+          not self.alloc.grow(slot, n + draft_len):
+        short.append(slot)
+    # swap out when at least half the rows holding pages wait (all of them: nothing would move)
+    if short and 2 * len(short) >= len(self.alloc.rows):
+      cache = self._swap_out(cache, short[0], live_slots[short[0]], draft_len)
+    self.waiting = bool(short or self.swapped)
+    self.paused = len(short) + len(self.swapped)
+    self._note()
+    return cache
+
+  def _swap_out(self, cache: PagedKV, first: int, seq_len: int, draft_len: int) -> PagedKV:
+    """Swap out the newest rows until the oldest waiting row (`first`) can take its pages."""
+    need = self.alloc.pages_for(seq_len + draft_len) - len(self.alloc.row_pages(first))
+    victims = self.alloc.preempt_candidates(need, keep=(first,)) or []
+    for slot in victims:
+      pages = self.alloc.row_pages(slot)
+      k, v = jax.device_get(read_pages(cache, _padded(pages, self.max_pages)))
+      self.swapped[slot] = (k, v, len(pages) * self.page_size)
+      self.alloc.release(slot)
+      self.swaps += 1
+    self.alloc.grow(first, self.tokens_for(seq_len, draft_len)) or \
+        self.alloc.grow(first, seq_len + draft_len)
+    return cache
+
+  def compile_swaps(self, cache: PagedKV):
+    """Run swapping's copies once (nothing changes), so they compile before the rollout."""
+    none = _padded([], self.max_pages)
+    k, v = read_pages(cache, none)
+    return write_pages(cache, none, k, v)
+
+  def _note(self) -> None:
+    self.peak_pages = max(self.peak_pages, self.alloc.pages_in_use)

@@ -1,0 +1,176 @@
+"""The engine on paged KV memory: rows take pages as they grow, wait (commit nothing) when none
+are free, and are swapped out to host memory when too many wait. Whatever the pool's size, the
+engine emits what the plain loop emits, token for token (greedy), and no page is ever held by two
+rows or left unaccounted for."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from specjax.drafters import DraftModelDrafter, NgramDrafter
+from specjax.models import Decoder, ModelConfig
+from specjax.models.paged import PagedKV
+from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
+                              speculative_generate)
+from specjax.sampling import engine as eng
+from specjax.sampling.paging import bytes_per_page
+from specjax.sharding import MeshConfig, make_mesh, shard_model
+
+CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=16, mlp_hidden=64, init_std=0.5)
+_rng = np.random.default_rng(5)
+PROMPTS = jnp.asarray(_rng.integers(1, 32, (24, 6)), jnp.int32)
+PROMPT_LENGTHS = jnp.asarray(_rng.integers(1, 7, 24), jnp.int32)
+GREEDY = SamplingConfig(max_new_tokens=24, temperature=0.0, eos_ids=(1, 2))
+PAGE = 4
+PAGE_BYTES = bytes_per_page(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, PAGE, jnp.float32)
+
+
+def paged(num_pages: int, **kw) -> EngineConfig:
+  """An engine whose pool holds `num_pages` pages of PAGE positions."""
+  kw = {"max_rows": 8, "refill_fraction": 0.25, "page_ahead": 4, **kw}
+  return EngineConfig(kv_cache_gb=num_pages * PAGE_BYTES / 2**30, page_size=PAGE, **kw)
+
+
+@pytest.fixture(scope="module")
+def target():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def static_ar(target):
+  return generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
+
+
+def assert_same_rollout(a, b):
+  np.testing.assert_array_equal(a.lengths, b.lengths)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  np.testing.assert_array_equal(a.eos, b.eos)
+  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+@pytest.fixture
+def page_checks(monkeypatch):
+  """Checks, at every visit of the real engine, what the device will read: no page in two rows'
+  tables, every page of the allocator in exactly the table row of its slot, and every row the
+  allocator holds able to hold its committed tokens. Returns the per-visit (live rows, pages in
+  use) log."""
+  log = []
+  real = eng._Run.visit_pages
+
+  def visit(self, state, pages, summary):
+    state = real(self, state, pages, summary)
+    table = np.asarray(state.cache.page_table)
+    live, seq_lengths, _, _, _, row_ids, homes = summary
+    held = table[table >= 0]
+    assert len(held) == len(set(held.tolist())), "a page sits in two rows' tables"
+    assert len(held) == pages.alloc.pages_in_use, "a page in use is in no table (or leaked)"
+    for i, (home, rid) in enumerate(zip(homes, row_ids)):
+      if rid >= 0 and int(home) in pages.alloc:
+        assert list(table[i][table[i] >= 0]) == list(pages.alloc.row_pages(int(home)))
+        if live[i]:
+          assert (table[i] >= 0).sum() * PAGE >= seq_lengths[i] - 1
+    log.append((int(np.sum(live)), pages.alloc.pages_in_use))
+    return state
+
+  monkeypatch.setattr(eng._Run, "visit_pages", visit)
+  return log
+
+
+@pytest.mark.parametrize("num_pages", [400, 24, 14])
+def test_greedy_paged_queue_equals_the_plain_loop(target, static_ar, page_checks, num_pages):
+  """400 pages: rows never wait; 24: rows wait for pages; 14 (two rows' worth at most): rows are
+  swapped out and back."""
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
+                 engine=paged(num_pages))
+  assert_same_rollout(out, static_ar)
+  assert page_checks and max(p for _, p in page_checks) <= num_pages
+  swaps = sum(s.swapped_out for s in out.segments)
+  if num_pages == 14:
+    assert swaps > 0
+  if num_pages == 400:
+    assert swaps == 0
+
+
+@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+def test_greedy_paged_speculative_equals_the_plain_loop(target, static_ar, page_checks, kind):
+  if kind == "draft_model":  # a copy of the target: every draft accepted, EOS inside windows
+    drafter, params = DraftModelDrafter.from_model(target, 3)
+  else:
+    drafter, params = NgramDrafter(draft_len=3, n=2), ()
+  out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                             GREEDY, engine=paged(20, adaptive=False))
+  assert_same_rollout(out, static_ar)
+  assert all(s.draft_len == 3 for s in out.segments)
+
+
+def test_paged_batch_without_a_queue_compacts_and_equals_the_plain_loop(target, static_ar,
+                                                                         page_checks):
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
+                 engine=paged(60, max_rows=0, window_block=8))
+  assert_same_rollout(out, static_ar)
+  assert min(s.bucket for s in out.segments) < 24  # compaction ran on the paged state
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_length_mixes_keep_pages_consistent(target, page_checks, seed):
+  rng = np.random.default_rng(seed)
+  prompts = jnp.asarray(rng.integers(1, 32, (16, 9)), jnp.int32)
+  lengths = jnp.asarray(rng.integers(1, 10, 16), jnp.int32)
+  cfg = SamplingConfig(max_new_tokens=int(rng.integers(8, 33)), temperature=0.0,
+                       eos_ids=tuple(int(t) for t in rng.choice(32, 2, replace=False)))
+  plain = generate(target, prompts, lengths, jax.random.key(0), cfg, engine=STATIC)
+  num_pages = int(rng.integers(-(-(9 + cfg.max_new_tokens + 1) // PAGE), 40))
+  out = generate(target, prompts, lengths, jax.random.key(0), cfg,
+                 engine=paged(num_pages, max_rows=int(rng.choice([4, 8, 16])),
+                              page_ahead=int(rng.integers(1, 9))))
+  assert_same_rollout(out, plain)
+
+
+def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
+  with pytest.raises(ValueError, match="kv_cache_gb.*one row needs up to 8 pages"):
+    generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=paged(7))
+  with pytest.raises(ValueError, match="EngineConfig.page_size"):
+    EngineConfig(page_size=0)
+
+
+def test_paged_memory_on_a_mesh_is_a_clear_error(target):
+  mesh = make_mesh(MeshConfig(2, 1, 4))
+  sharded = shard_model(nnx.clone(target), mesh)
+  with pytest.raises(ValueError, match="kv_cache_gb.*not yet on a mesh"):
+    generate(sharded, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=paged(400))
+
+
+def test_decoder_forward_over_pages_equals_the_dense_cache(target):
+  """Prefill then a 3-token verify block, rows on scattered pages, a window over the pages."""
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, 32, (3, 7)), jnp.int32)
+  table = np.full((3, 6), -1, np.int32)
+  table[:, :4] = rng.permutation(20)[:12].reshape(3, 4)
+  pool = PagedKV.create(CFG.num_layers, 20, PAGE, 3, 6, CFG.num_kv_heads,
+                        CFG.head_dim).with_page_table(table)
+  dense = target.init_cache(3, 24)
+  a, b = target(tokens, cache=dense), target(tokens, cache=pool)
+  np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+  step = jnp.array([7, 5, 3])
+  a = target(tokens[:, :3], cache=a.cache.advance(step))
+  b = target(tokens[:, :3], cache=b.cache.advance(step).with_window(12))
+  np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+
+
+def test_after_the_first_paged_rollout_nothing_compiles(target):
+  """(14 pages: rows wait and are swapped out, so swapping's copies run too.)"""
+  engine = paged(14, adaptive=False)
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  tuning = EngineTuning()
+  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
+                           engine=engine, tuning=tuning)
+  jax.block_until_ready(run(0).tokens)
+  before = eng.compiled_programs()
+  for i in range(1, 3):
+    jax.block_until_ready(run(i).tokens)
+  assert eng.compiled_programs() == before
