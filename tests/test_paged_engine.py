@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+# the queue tests' tiny target config, ragged prompts (greedy lengths 1..24) and comparison
+from test_queue import CFG, GREEDY, PROMPT_LENGTHS, PROMPTS, assert_same_rollout
+
 from specjax.drafters import DraftModelDrafter, NgramDrafter
-from specjax.models import Decoder, ModelConfig
+from specjax.models import Decoder
 from specjax.models.paged import PagedKV
 from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
                               speculative_generate)
@@ -20,12 +23,6 @@ from specjax.sampling import engine as eng
 from specjax.sampling.paging import bytes_per_page
 from specjax.sharding import MeshConfig, make_mesh, shard_model
 
-CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                  head_dim=16, mlp_hidden=64, init_std=0.5)
-_rng = np.random.default_rng(5)
-PROMPTS = jnp.asarray(_rng.integers(1, 32, (24, 6)), jnp.int32)
-PROMPT_LENGTHS = jnp.asarray(_rng.integers(1, 7, 24), jnp.int32)
-GREEDY = SamplingConfig(max_new_tokens=24, temperature=0.0, eos_ids=(1, 2))
 PAGE = 4
 PAGE_BYTES = bytes_per_page(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, PAGE, jnp.float32)
 
@@ -44,13 +41,6 @@ def target():
 @pytest.fixture(scope="module")
 def static_ar(target):
   return generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
-
-
-def assert_same_rollout(a, b):
-  np.testing.assert_array_equal(a.lengths, b.lengths)
-  np.testing.assert_array_equal(a.tokens, b.tokens)
-  np.testing.assert_array_equal(a.eos, b.eos)
-  np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 @pytest.fixture

@@ -420,7 +420,6 @@ class _Run:
       swaps_before = pages.swaps if paged else 0
     out = _write_back(out, state)
     results, _ = _harvest(results, out)
-    self.pages = pages
     stats = None
     if self.drafter is not None:
       stats = results.counts if self.k_max >= 1 else AcceptanceCounts.zeros(1, batch)

@@ -113,7 +113,6 @@ class SlotPages:
     self.waiting = False  # an admitted row waits for pages: admit no new rows
     self.paused = 0  # live rows without pages for their next step after the last visit
     self.swaps = 0  # rows swapped out so far
-    self.peak_pages = 0
 
   def tokens_for(self, seq_len: int, draft_len: int) -> int:
     """Positions a row of `seq_len` committed tokens takes pages for: its next steps' writes
@@ -133,7 +132,6 @@ class SlotPages:
           self.alloc.release(t)
         return False
       taken.append(int(slot))
-    self._note()
     return True
 
   def table(self, homes, row_ids) -> np.ndarray:
@@ -172,7 +170,6 @@ class SlotPages:
       cache = self._swap_out(cache, short[0], live_slots[short[0]], draft_len)
     self.waiting = bool(short or self.swapped)
     self.paused = len(short) + len(self.swapped)
-    self._note()
     return cache
 
   def _swap_out(self, cache: PagedKV, first: int, seq_len: int, draft_len: int) -> PagedKV:
@@ -194,6 +191,3 @@ class SlotPages:
     none = _padded([], self.max_pages)
     k, v = read_pages(cache, none)
     return write_pages(cache, none, k, v)
-
-  def _note(self) -> None:
-    self.peak_pages = max(self.peak_pages, self.alloc.pages_in_use)
