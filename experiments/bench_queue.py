@@ -54,7 +54,7 @@ ARMS = ("waves", "continuous", "waves_spec", "continuous_spec", "dense", "paged"
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  p.add_argument("--quick", action="store_true", help="32 prompts, 16 slots, 2 rounds")
+  p.add_argument("--quick", action="store_true", help="32 prompts, 16 slots, 1 round")
   p.add_argument("--hidden", type=int, default=512)
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--heads", type=int, default=8)
@@ -79,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--draft-len", type=int, default=4, help="largest K")
   p.add_argument("--draft-layers", type=int, default=1)
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
-  p.add_argument("--repeats", type=int, default=None, help="3 (--quick: 2)")
+  p.add_argument("--repeats", type=int, default=None, help="3 (--quick: 1)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--out", default="runs/bench_queue.json")
   a = p.parse_args(argv)
