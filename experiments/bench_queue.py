@@ -19,7 +19,8 @@ once untimed, then --repeats interleaved rounds):
   dense            AR with the queue at one KV budget (`--kv-budget-rows` dense rows' worth of
                    target KV memory): dense caches, so the budget holds that many slots
   paged            AR with the queue at the same budget, paged (`EngineConfig.kv_cache_gb`): up
-                   to --slots slots, rows admitted while pages are free
+                   to --paged-slots slots (default 2 x --slots), rows admitted while pages are
+                   free, a GRPO group's samples sharing their prompt pages
 Tokens/s counts completion tokens; `rows.dense` / `rows.paged` are the rows each held at once
 (paged: the most live rows any segment started with, and the step-weighted mean). Prints a table, writes JSON (`arms.<arm>.tokens_per_s`,
 paired per-round ratios, the acceptance length and the K the engine chose). Asserts nothing.
@@ -70,6 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--refill-fraction", type=float, default=EngineConfig.refill_fraction)
   p.add_argument("--kv-budget-rows", type=int, default=None,
                  help="the dense and paged arms' KV budget, in dense rows (default: slots / 2)")
+  p.add_argument("--paged-slots", type=int, default=None,
+                 help="the paged arm's slots (default 2 x --slots: memory, not slots, limits it)")
   p.add_argument("--page-size", type=int, default=EngineConfig.page_size)
   p.add_argument("--page-ahead", type=int, default=EngineConfig.page_ahead)
   p.add_argument("--prompt-len", type=int, default=32)
@@ -122,7 +125,8 @@ def main(argv=None) -> dict:
   token_bytes = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 4
   budget_gb = budget_rows * (prompts.shape[1] + a.max_new) * token_bytes / 2**30
   dense = EngineConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction)
-  paged = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction,
+  paged = EngineConfig(max_rows=a.paged_slots or 2 * a.slots,
+                       refill_fraction=a.refill_fraction,
                        kv_cache_gb=budget_gb, page_size=a.page_size, page_ahead=a.page_ahead)
 
   def waves(i: int, spec: bool):

@@ -1,8 +1,10 @@
 """The engine on paged KV memory: rows take pages as they grow, wait (commit nothing) when none
 are free, and are swapped out to host memory when too many wait. Whatever the pool's size, the
-engine emits what the plain loop emits, token for token (greedy), and no page is ever held by two
-rows or left unaccounted for."""
+engine emits what the plain loop emits, token for token (greedy), and no page is left unaccounted
+for or held by two rows, except the full prompt pages a GRPO group's samples share, which no row
+writes."""
 
+import collections
 import dataclasses
 
 import jax
@@ -56,14 +58,18 @@ def page_checks(monkeypatch):
     state = real(self, state, pages, summary)
     table = np.asarray(state.cache.page_table)
     live, seq_lengths, _, _, _, row_ids, homes = summary
-    held = table[table >= 0]
-    assert len(held) == len(set(held.tolist())), "a page sits in two rows' tables"
+    held = collections.Counter(table[table >= 0].tolist())
     assert len(held) == pages.alloc.pages_in_use, "a page in use is in no table (or leaked)"
+    for page, tables in held.items():
+      assert pages.alloc.refcount(page) == tables, f"page {page}: tables and holders differ"
     for i, (home, rid) in enumerate(zip(homes, row_ids)):
       if rid >= 0 and int(home) in pages.alloc:
         assert list(table[i][table[i] >= 0]) == list(pages.alloc.row_pages(int(home)))
         if live[i]:
           assert (table[i] >= 0).sum() * PAGE >= seq_lengths[i] - 1
+          # a shared page lies wholly below the row's cached positions: it is never written
+          shared = [j for j, page in enumerate(table[i]) if page >= 0 and held[int(page)] > 1]
+          assert all((j + 1) * PAGE <= seq_lengths[i] - 1 for j in shared)
     log.append((int(np.sum(live)), pages.alloc.pages_in_use))
     return state
 
@@ -119,6 +125,27 @@ def test_random_length_mixes_keep_pages_consistent(target, page_checks, seed):
                  engine=paged(num_pages, max_rows=int(rng.choice([4, 8, 16])),
                               page_ahead=int(rng.integers(1, 9))))
   assert_same_rollout(out, plain)
+
+
+@pytest.mark.parametrize("num_pages", [400, 30])
+def test_a_groups_samples_share_their_prompt_pages(target, page_checks, num_pages):
+  """GRPO groups (4 samples of each of 6 prompts): the samples of a group share its full prompt
+  pages, so the same rows take fewer pages, and every row emits what the plain loop emits (30
+  pages: rows also wait and are swapped out, shared pages included)."""
+  prompts = jnp.repeat(PROMPTS[:6] % 31 + 1, 4, axis=0)
+  lengths = jnp.repeat(jnp.asarray([6, 5, 4, 6, 3, 6], jnp.int32), 4)
+  plain = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
+  first_visit = {}
+  for share in (True, False):
+    page_checks.clear()
+    out = generate(target, prompts, lengths, jax.random.key(0), GREEDY,
+                   engine=paged(num_pages, share_prefill=share))
+    assert_same_rollout(out, plain)
+    first_visit[share] = page_checks[0]
+  (rows_shared, pages_shared), (rows_alone, pages_alone) = first_visit[True], first_visit[False]
+  if num_pages == 400:  # the same rows at the first visit, in fewer pages
+    assert rows_shared == rows_alone == 8
+    assert pages_shared < pages_alone
 
 
 def test_a_pool_too_small_for_one_row_is_a_clear_error(target):

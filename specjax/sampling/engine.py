@@ -240,7 +240,8 @@ class _Run:
     admitted = np.zeros(slots, bool)
     for first in range(0, slots, group):
       rows = np.arange(first, first + group)
-      if not pages.admit(rows, prompt_lengths[rows] + 1, self.k_max):
+      if not pages.admit(rows, prompt_lengths[rows] + 1, self.k_max,
+                         int(prompt_lengths[first]) if group > 1 else 0):
         break
       admitted[rows] = True
     pool = PagedKV.create(len(dense.k), num_pages, page_size, slots, pages.max_pages, hkv, dh,
@@ -290,9 +291,9 @@ class _Run:
       into = free_slots[:refill]
       if paged:
         placed = 0
-        while placed < len(rows) and pages.admit(into[placed:placed + group],
-                                                 host_lengths[rows[placed:placed + group]] + 1,
-                                                 self.k_max):
+        while placed < len(rows) and pages.admit(
+            into[placed:placed + group], host_lengths[rows[placed:placed + group]] + 1,
+            self.k_max, int(host_lengths[rows[placed]]) if group > 1 else 0):
           placed += group
         if not placed:
           return None

@@ -119,20 +119,37 @@ class SlotPages:
     (up to seq_len - 1 + K) and `page_ahead` more, within the cache size."""
     return min(seq_len + draft_len + self.ahead, self.cache_size)
 
-  def admit(self, slots, seq_lens, draft_len: int) -> bool:
+  def admit(self, slots, seq_lens, draft_len: int, prompt_len: int = 0) -> bool:
     """Take pages for new rows in `slots` (all or none). The slots are free: pages a finished
-    row there still holds (it ended after the last visit) come back first."""
+    row there still holds (it ended after the last visit) come back first.
+
+    `prompt_len` > 0: the rows are the samples of one prompt (a GRPO group, prefilled once), and
+    their first `prompt_len` cached positions hold the same keys and values. The first row takes
+    pages for them; the others share its full pages (reference counted, never written again: a
+    row writes only at positions >= its length) and take a private page for the partly filled
+    last one. The prefill's copy into pages writes every row's prompt through its own table, so
+    the private page gets its row's copy and the shared pages the group's (identical) values."""
     for slot in slots:
       if int(slot) in self.alloc:
         self.alloc.release(int(slot))
-    taken = []
+    taken, ok = [], not self.waiting
     for slot, n in zip(slots, seq_lens):
-      if self.waiting or not self.alloc.admit(int(slot), self.tokens_for(int(n), draft_len)):
-        for t in taken:
-          self.alloc.release(t)
-        return False
-      taken.append(int(slot))
-    return True
+      if not ok:
+        break
+      slot, want = int(slot), self.tokens_for(int(n), draft_len)
+      if taken and prompt_len:
+        ok = self.alloc.share_prefix(taken[0], [slot], prompt_len) is not None
+        if ok:
+          taken.append(slot)
+          ok = self.alloc.grow(slot, want)
+      else:
+        ok = self.alloc.admit(slot, want)
+        if ok:
+          taken.append(slot)
+    if not ok:
+      for t in taken:
+        self.alloc.release(t)
+    return ok
 
   def table(self, homes, row_ids) -> np.ndarray:
     """int32[len(homes), max_pages]: the pages of each bucket row's home slot; NO_PAGE for
