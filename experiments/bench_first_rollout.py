@@ -9,6 +9,11 @@ calibrates nothing):
   spec         `speculative_generate` with an n-gram drafter (largest K `--draft-len`), defaults
   spec_every_k the same, timing every K at startup with 3 x 3 calibration steps (the engine
                before it timed only K = 0, 1 and the largest with 2 x 2)
+  spec_cached  `spec` in two fresh processes in turn that share a JAX persistent compilation
+               cache and an engine cost cache (both in a temporary directory): `spec_cached_cold`
+               compiles, calibrates and stores; `spec_cached_warm` is a second run of the same
+               job, which loads its programs and reads its step costs. Their second calls
+               compare steps of programs compiled in the process with steps of loaded ones.
 
 The model is a random Qwen3-style decoder of the shape given (default: 0.47B parameters, 28
 layers, hidden 1024, 16/8 heads of 128, MLP 3072, vocab 32768, tied embeddings), float32.
@@ -32,7 +37,7 @@ import time
 
 from bench_io import write_json
 
-ARMS = ("ar", "spec", "spec_every_k")
+ARMS = ("ar", "spec", "spec_every_k", "spec_cached")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,6 +95,10 @@ def child(a: argparse.Namespace) -> dict:
     engine = dataclasses.replace(engine, calibrate_every_k=True, calibration_iters=3,
                                  calibration_repeats=3)
   tuning = EngineTuning()
+  if a.child == "spec_cached":  # the parent names the shared caches
+    jax.config.update("jax_compilation_cache_dir", os.environ["BENCH_JAX_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    tuning = EngineTuning.with_cache(os.environ["BENCH_COST_CACHE"])
 
   def call(i: int):
     key = jax.random.key(i)
@@ -123,22 +132,32 @@ def main(argv=None) -> None:
                                       "vocab", "batch", "prompt_len", "max_new", "draft_len")}
   arms = {}
   with tempfile.TemporaryDirectory() as tmp:
+    env = dict(os.environ, BENCH_JAX_CACHE=os.path.join(tmp, "jax_cache"),
+               BENCH_COST_CACHE=os.path.join(tmp, "engine_costs.json"))
     for arm in a.arms:
-      result = os.path.join(tmp, f"{arm}.json")
-      flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
-      cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--result", result, *flags]
-      print(f"[{arm}] running ...", flush=True)
-      subprocess.run(cmd, check=True)
-      with open(result) as f:
-        arms[arm] = json.load(f)
-  print(f"\n{'arm':>13} {'first s':>8} {'compile s':>10} {'programs':>9} {'timed':>6} "
+      names = [f"{arm}_cold", f"{arm}_warm"] if arm == "spec_cached" else [arm]
+      for name in names:
+        result = os.path.join(tmp, f"{name}.json")
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in shape.items()]
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", arm, "--result", result,
+               *flags]
+        print(f"[{name}] running ...", flush=True)
+        subprocess.run(cmd, check=True, env=env)
+        with open(result) as f:
+          arms[name] = json.load(f)
+  print(f"\n{'arm':>16} {'first s':>8} {'compile s':>10} {'programs':>9} {'timed':>6} "
         f"{'second s':>9} {'2nd programs':>13}")
   for arm, r in arms.items():
-    print(f"{arm:>13} {r['first_call_s']:8.1f} {r['compile_s']:10.1f} {r['programs_compiled']:9d} "
+    print(f"{arm:>16} {r['first_call_s']:8.1f} {r['compile_s']:10.1f} {r['programs_compiled']:9d} "
           f"{r['timed_costs']:6d} {r['second_call_s']:9.2f} {r['second_programs_compiled']:13d}")
   if "spec" in arms and "spec_every_k" in arms:
     print(f"first speculative call, every K timed / defaults: "
           f"{arms['spec_every_k']['first_call_s'] / arms['spec']['first_call_s']:.2f}x")
+  if "spec_cached_cold" in arms:
+    cold, warm = arms["spec_cached_cold"], arms["spec_cached_warm"]
+    print(f"second run of the job (programs and costs cached) / first: first call "
+          f"{warm['first_call_s'] / cold['first_call_s']:.2f}x; second call (loaded programs / "
+          f"compiled ones) {warm['second_call_s'] / cold['second_call_s']:.2f}x")
   import jax
   write_json(a.out, {"benchmark": "first_rollout", "shape": shape, "arms": arms,
                      "machine": {"cpu": platform.processor() or platform.machine(),
