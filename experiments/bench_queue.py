@@ -95,10 +95,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   return a
 
 
-def main(argv=None) -> dict:
-  a = parse_args(argv)
-  log = lambda s: print(s, flush=True)
-  t_start = time.perf_counter()
+def markov_target(a, log):
+  """The queue's workload and target at `a`'s shape and seed (`bench_engine`'s Markov language, a
+  target whose LM head is fitted to it, an EOS set for long-tailed lengths, the prompts; sets
+  `a.language`): (target, its ModelConfig, EOS ids, the EOS choice's length quantiles / max_new,
+  prompts, prompt lengths). `peer_vllm.py --trained-queue` builds the same one."""
   cfg_m = be.model_config(a, a.init_std)
   target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
   rng = np.random.default_rng(a.seed)
@@ -109,8 +110,16 @@ def main(argv=None) -> dict:
     layer.mlp.down[...] = layer.mlp.down[...] * a.layer_scale
   be.fit_head(target, a.language, rng, a.head_fit_steps, log)
   eos, quantiles = be.choose_eos(a, target, rng)
-  cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
   prompts, lens = be.make_prompts(a, rng, a.prompts)
+  return target, cfg_m, eos, quantiles, prompts, lens
+
+
+def main(argv=None) -> dict:
+  a = parse_args(argv)
+  log = lambda s: print(s, flush=True)
+  t_start = time.perf_counter()
+  target, cfg_m, eos, quantiles, prompts, lens = markov_target(a, log)
+  cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
   rows = prompts.shape[0]
   log(f"target {cfg_m.num_params() / 1e6:.1f}M parameters; queue {a.prompts} prompts x "
       f"G={a.group} = {rows} rows, {a.slots} slots, max_new {a.max_new}; EOS set of {len(eos)} "

@@ -645,31 +645,19 @@ SPEC_ARMS = {"ngram": "vllm_ngram", "draft_model": "vllm_draft"}
 
 
 def tq_build(a):
-  """bench_queue's target, EOS set and queue (bench_engine's functions, called in bench_queue's
-  order: the same seed and shape give the same target, EOS ids and prompts). Returns (target,
-  its ModelConfig, EOS ids, the EOS choice's length quantiles / max_new, prompts, lengths, the
-  Markov language)."""
-  import bench_engine as be
+  """bench_queue's target, EOS set and queue (`bench_queue.markov_target`: the same seed and shape
+  give the same target, EOS ids and prompts). Returns (target, its ModelConfig, EOS ids, the EOS
+  choice's length quantiles / max_new, prompts, lengths, the Markov language)."""
+  import bench_queue as bq
   import numpy as np
-  from flax import nnx
-
-  from specjax.models import Decoder
 
   ns = argparse.Namespace(vocab=a.vocab, hidden=a.hidden, layers=a.layers, heads=a.heads,
                           kv_heads=a.kv_heads, head_dim=a.head_dim, prompt_len=a.prompt_len,
                           group=a.group_size, max_new=a.max_tokens, temperature=a.temperature,
-                          median_frac=a.median_frac, seed=a.seed, language=None)
-  cfg_m = be.model_config(ns, 0.02)
-  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
-  rng = np.random.default_rng(a.seed)
-  ns.language = be.MarkovLanguage(a.vocab, a.seed)
-  target.embed[...] = target.embed[...] * a.embed_scale
-  for layer in target.layers:
-    layer.attn.o_proj[...] = layer.attn.o_proj[...] * a.layer_scale
-    layer.mlp.down[...] = layer.mlp.down[...] * a.layer_scale
-  be.fit_head(target, ns.language, rng, a.head_fit_steps, log)
-  eos, quantiles = be.choose_eos(ns, target, rng)
-  prompts, lens = be.make_prompts(ns, rng, a.prompts)
+                          median_frac=a.median_frac, seed=a.seed, prompts=a.prompts,
+                          init_std=0.02, embed_scale=a.embed_scale, layer_scale=a.layer_scale,
+                          head_fit_steps=a.head_fit_steps, language=None)
+  target, cfg_m, eos, quantiles, prompts, lens = bq.markov_target(ns, log)
   return target, cfg_m, eos, quantiles, np.asarray(prompts), np.asarray(lens), ns.language
 
 
