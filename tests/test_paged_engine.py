@@ -5,7 +5,6 @@ for or held by two rows, except the full prompt pages a GRPO group's samples sha
 writes."""
 
 import collections
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,13 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-# the queue tests' tiny target config, ragged prompts (greedy lengths 1..24) and comparison
-from test_queue import CFG, GREEDY, PROMPT_LENGTHS, PROMPTS, assert_same_rollout
+# the queue tests' tiny target config, ragged prompts (greedy lengths 1..24) and checks
+from test_queue import (CFG, GREEDY, PROMPT_LENGTHS, PROMPTS,
+                        assert_nothing_compiles_after_the_first_rollout, assert_same_rollout)
 
 from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.models import Decoder
 from specjax.models.paged import PagedKV
-from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
+from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, generate,
                               speculative_generate)
 from specjax.sampling import engine as eng
 from specjax.sampling.paging import bytes_per_page
@@ -183,13 +183,4 @@ def test_decoder_forward_over_pages_equals_the_dense_cache(target):
 
 def test_after_the_first_paged_rollout_nothing_compiles(target):
   """(14 pages: rows wait and are swapped out, so swapping's copies run too.)"""
-  engine = paged(14, adaptive=False)
-  sampled = dataclasses.replace(GREEDY, temperature=1.0)
-  tuning = EngineTuning()
-  run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
-                           engine=engine, tuning=tuning)
-  jax.block_until_ready(run(0).tokens)
-  before = eng.compiled_programs()
-  for i in range(1, 3):
-    jax.block_until_ready(run(i).tokens)
-  assert eng.compiled_programs() == before
+  assert_nothing_compiles_after_the_first_rollout(target, paged(14, adaptive=False), rounds=2)

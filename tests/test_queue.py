@@ -111,17 +111,23 @@ def test_queue_slots_are_whole_groups_over_the_data_parallel_size():
     EngineConfig(refill_fraction=0.0)
 
 
-def test_after_the_first_queued_rollout_nothing_compiles(target):
-  engine = EngineConfig(max_rows=8, refill_fraction=0.25, adaptive=False)
+def assert_nothing_compiles_after_the_first_rollout(target, engine: EngineConfig, rounds: int):
+  """`rounds` rollouts at temperature 1 with new keys, after a first one with the same tuning,
+  compile no engine program."""
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   tuning = EngineTuning()
   run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
                            engine=engine, tuning=tuning)
   jax.block_until_ready(run(0).tokens)
   before = eng.compiled_programs()
-  for i in range(1, 4):
+  for i in range(1, rounds + 1):
     jax.block_until_ready(run(i).tokens)
   assert eng.compiled_programs() == before
+
+
+def test_after_the_first_queued_rollout_nothing_compiles(target):
+  assert_nothing_compiles_after_the_first_rollout(
+      target, EngineConfig(max_rows=8, refill_fraction=0.25, adaptive=False), rounds=3)
 
 
 def test_sharded_queue_equals_one_device(target, static_ar):
