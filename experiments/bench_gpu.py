@@ -200,7 +200,7 @@ def decode_stage(a, shape: str, bandwidth: float, results: dict) -> None:
     write(a, results)
   results.setdefault("decode", {})[shape] = rows
   write(a, results)
-  del model, graphdef, params
+  model = graphdef = params = None  # (freed: the lambdas above hold the cells)
   gc.collect()
 
 

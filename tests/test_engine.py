@@ -72,10 +72,10 @@ def test_greedy_speculative_with_compaction_and_adaptive_k_equals_greedy_ar(targ
   assert_same_rollout(out, static_ar)
   assert {s.bucket for s in out.segments} == {8, 4, 2, 1}
   assert out.segments[0].draft_len >= 1  # the first segment drafts, so acceptance is measured
-  # every bucket's timed K (0, 1 and the largest) were calibrated (compiled) on its first visit;
-  # a K in between has a cost only where a segment ran it, started from the line through 1 and 3
+  # every bucket's timed K (0 and the largest) were calibrated (compiled) on its first visit;
+  # a K in between has a cost only where a segment ran it, started from the line through 0 and 3
   table = {(r["bucket"], r["draft_len"]): r for r in tuning.calibration_table()}
-  timed = {(b, k) for b in (8, 4, 2, 1) for k in (0, 1, 3)}
+  timed = {(b, k) for b in (8, 4, 2, 1) for k in (0, 3)}
   assert timed <= set(table) and not any(table[bk]["from_line"] for bk in timed)
   ran = {(s.bucket, s.draft_len) for s in out.segments}
   assert {bk for bk, r in table.items() if r["from_line"]} == set(table) - timed <= ran
@@ -250,13 +250,13 @@ def test_new_params_reuse_every_compiled_program(target):
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
 def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_key):
-  """Compaction's programs (gather, summary, write-back, segment) exist once per bucket and are
-  all compiled in the first rollout, whichever buckets its rows pass through; sampled rollouts
-  then take other paths (8 -> 2, 4 -> 1, ...) without compiling. Also with the raw uint32 keys
-  the RL loop passes (a segment taking a raw key is another program than one taking a typed
-  key)."""
+  """Compaction's programs (gather, summary, write-back, segment) exist once per bucket and, with
+  `compile_ahead`, are all compiled in the first rollout, whichever buckets its rows pass
+  through; sampled rollouts then take other paths (8 -> 2, 4 -> 1, ...) without compiling.
+  Also with the raw uint32 keys the RL loop passes (a segment taking a raw key is another
+  program than one taking a typed key)."""
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
-  engine = EngineConfig(adaptive=False)
+  engine = EngineConfig(adaptive=False, compile_ahead=True)
   jax.clear_caches()
   tuning = EngineTuning()
   run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, make_key(i), sampled, engine=engine,
@@ -269,6 +269,26 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
     paths.add(tuple(s.bucket for s in out.segments))
   assert eng.compiled_programs() == before
   assert len(paths) > 1, paths  # the rollouts did take different paths
+
+
+def test_by_default_a_bucket_compiles_when_a_rollout_first_reaches_it(target):
+  """Without `compile_ahead` the first rollout compiles the segment programs of the buckets it
+  runs and no other (AR: one K per bucket); a later rollout compiles only the buckets it reaches
+  for the first time. The rollouts equal those of an engine that compiled every bucket ahead."""
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  jax.clear_caches()
+  tuning = EngineTuning()
+  reached, counts = set(), []
+  for i in range(4):
+    out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
+                   engine=EngineConfig(adaptive=False), tuning=tuning)
+    reached |= {s.bucket for s in out.segments}
+    counts.append(len(reached))
+    assert eng._segment_jit._cache_size() == len(reached), (i, reached)
+  assert counts[0] < 4 and len(set(counts)) > 1, counts  # buckets skipped at first, then reached
+  ahead = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(3), sampled,
+                   engine=EngineConfig(adaptive=False, compile_ahead=True))
+  assert_same_rollout(out, ahead)
 
 
 @pytest.mark.parametrize("shape", [(8, 1, 1), (2, 2, 2), (1, 4, 2)])

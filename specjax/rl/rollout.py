@@ -36,7 +36,8 @@ def engine_config(cfg: RLConfig) -> EngineConfig:
   return EngineConfig(max_rows=r.max_rows, refill_fraction=r.refill_fraction,
                       kv_cache_gb=r.kv_cache_gb, page_size=r.page_size,
                       compaction=r.compaction, min_bucket=r.min_bucket,
-                      window_block=r.window_block, adaptive=d.adaptive,
+                      window_block=r.window_block, compile_ahead=r.compile_ahead,
+                      adaptive=d.adaptive,
                       max_draft_len=d.max_draft_len, cost_memory=r.cost_memory)
 
 

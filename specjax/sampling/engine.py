@@ -135,10 +135,10 @@ class _Run:
     estimate.decay(engine.estimate_decay)
     self.policy = DraftLenPolicy(k_choices, estimate, engine)
     self.adaptive = self.policy.adaptive  # K is chosen per segment
-    # the K each bucket compiles and times at startup; another K costs the line through 1 and
-    # k_max until a segment runs it
+    # the K each bucket compiles and times when it is prepared; another K costs the line
+    # through 0 and k_max until a segment runs it
     self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
-        if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, 1, self.k_max))
+        if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, self.k_max))
     self.segments: list[Segment] = []
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
@@ -158,16 +158,15 @@ class _Run:
     return (self.program_id, bucket, k)
 
   def line_point(self, bucket: int, k: int) -> tuple:
-    """(key of K = 1, key of k_max, fraction): where K lies on the line of `CostTable.line`."""
-    return (self.cost_key(bucket, 1), self.cost_key(bucket, self.k_max),
-            (k - 1) / (self.k_max - 1))
+    """(key of K = 0, key of k_max, fraction): where K lies on the line of `CostTable.line`."""
+    return (self.cost_key(bucket, 0), self.cost_key(bucket, self.k_max), k / self.k_max)
 
   def cost(self, state, bucket: int, k: int, longest: int) -> float:
     """Seconds per step at (bucket, K): for a timed K, measured on the current state the first
     time it is asked for; for another, its own cost once a segment ran it, else the line through
-    the bucket's timed K = 1 and k_max."""
+    the bucket's timed K = 0 and k_max."""
     if k not in self.timed_ks:
-      for end in (1, self.k_max):
+      for end in (0, self.k_max):
         self.cost(state, bucket, end, longest)
       return self.costs.line(self.cost_key(bucket, k), *self.line_point(bucket, k))
     window = window_for(longest, k, self.engine.window_block, self.cache_size)
@@ -181,14 +180,17 @@ class _Run:
                                 self.engine.calibration_repeats)
 
   def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
-    """Compile the programs the run may use now, on the first rows of the prefilled state (the
-    results are discarded): each bucket's segment at every timed K (`timed_ks`), and compaction's
-    gather, summary and write-back, so that a bucket the first rollouts never reach does not
-    compile inside a later one: after the first rollout of a run, only a K between the timed ones
-    that a segment picks for the first time compiles. The programs compile `compile_threads` at a
-    time (XLA compiles one program on one core); then (adaptive) each smaller bucket's timed K are
-    calibrated, one at a time. Programs already compiled, and costs already measured, are
-    reused. `queue_jobs` compile the queue's admission programs alongside."""
+    """Compile the programs of `buckets` (the first is `state`'s own bucket; the others' states
+    are its first rows) on throwaway runs: each bucket's segment at every timed K (`timed_ks`),
+    and for the smaller buckets compaction's gather, summary and write-back. The programs compile
+    `compile_threads` at a time (XLA compiles one program on one core); then (adaptive) each
+    smaller bucket's timed K are calibrated, one at a time (the first bucket's are timed when the
+    policy first asks for them). Programs already compiled, and costs already measured, are
+    reused; `queue_jobs` compile the queue's admission programs alongside.
+
+    `EngineConfig.compile_ahead` (True) prepares every bucket before the first segment, so a
+    later rollout compiles nothing whichever buckets it passes through; the default prepares a
+    bucket when a rollout first reaches it, so the first rollout compiles only what it runs."""
     if not self.costs.first_preparation((self.program_id, self.engine, tuple(buckets),
                                          len(queue_jobs))):
       return
@@ -322,7 +324,8 @@ class _Run:
                                      probe_rows, probe_rows))
     if paged:  # swapping's page copies
       queue_jobs += (lambda: pages.compile_swaps(state.cache),)
-    self.prepare_buckets(state, buckets, queue_jobs)
+    self.prepare_buckets(state, buckets if self.engine.compile_ahead else buckets[:1],
+                         queue_jobs)
     out, bucket, total_steps = state, slots, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
     last_k = {}
@@ -367,14 +370,15 @@ class _Run:
       fits = [b for b in buckets if b >= live]
       if compact and not len(queue) and fits[-1] < bucket:
         # gather the live rows into the smallest bucket, from the full-size state (brought up
-        # to date first): one gather program per bucket, which `prepare_buckets` compiles,
-        # whichever bucket the rows come from
+        # to date first): one gather program per bucket, whichever bucket the rows come from
         out = _write_back(out, state)
         rows = homes[np.flatnonzero(live_mask)]
         new = fits[-1]
         idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
         pad = np.arange(new) >= live
         state, bucket = _take_jit(out, jnp.asarray(idx), jnp.asarray(pad)), new
+        if not self.engine.compile_ahead:  # (a no-op once the bucket is prepared)
+          self.prepare_buckets(state, [new])
         # token and acceptance counts now cover only the rows in the bucket
         summary = jax.device_get(_summary(state))
         live_mask, seq_lengths, tokens_before, drafts0, acc0, _, homes = summary

@@ -39,10 +39,15 @@ class EngineConfig:
   estimate_decay: float = 0.7  # weight of earlier rollouts' acceptance counts at each new rollout
   calibration_iters: int = 2  # n: segments of n and 2n timed steps per (bucket, K) at startup ...
   calibration_repeats: int = 2  # ... timed this many times, the fastest kept (load noise)
-  # adaptive: the K per bucket compiled and timed at startup are 0, 1 and the largest; a K in
-  # between costs the line through K = 1 and the largest until a segment runs it (then it
+  # adaptive: the K per bucket compiled and timed when the bucket is prepared are 0 and the
+  # largest; a K in between costs the line through them until a segment runs it (then it
   # compiles, outside the timing, and its own segments refine its cost). True: all of them
   calibrate_every_k: bool = False
+  # True: compile (and time) every bucket's programs before the first segment, so a later
+  # rollout compiles nothing whichever buckets its rows pass through; False: a bucket's programs
+  # compile when a rollout first reaches it, so the first rollout compiles only the buckets it
+  # runs (a later rollout that reaches a new bucket compiles it then)
+  compile_ahead: bool = False
   # in-run refinement: each segment's measured seconds per step move its (bucket, K) cost toward
   # them with weight iterations / (iterations + cost_memory). 0 (the default): keep the startup
   # calibration, so that K choices depend on stored costs only and a seed gives one trajectory
