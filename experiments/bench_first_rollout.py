@@ -6,9 +6,12 @@ reused from another arm.
 Arms (each: first call, then a second call with the same `EngineTuning`, which compiles and
 calibrates nothing):
   ar           `generate` (the adaptive engine's defaults)
-  spec         `speculative_generate` with an n-gram drafter (largest K `--draft-len`), defaults
-  spec_every_k the same, timing every K at startup with 3 x 3 calibration steps (the engine
-               before it timed only K = 0, 1 and the largest with 2 x 2)
+  spec         `speculative_generate` with an n-gram drafter (largest K `--draft-len`), defaults:
+               a bucket's programs compile (K = 0 and the largest, two at a time) and are timed
+               when the rollout first reaches it
+  spec_ahead   the same with `EngineConfig(compile_ahead=True)`: every bucket's programs compile
+               before the first segment (and a later rollout compiles nothing)
+  spec_every_k the same as `spec`, timing every K at startup with 3 x 3 calibration steps
   spec_cached  `spec` in two fresh processes in turn that share a JAX persistent compilation
                cache and an engine cost cache (both in a temporary directory): `spec_cached_cold`
                compiles, calibrates and stores; `spec_cached_warm` is a second run of the same
@@ -37,7 +40,7 @@ import time
 
 from bench_io import write_json
 
-ARMS = ("ar", "spec", "spec_every_k", "spec_cached")
+ARMS = ("ar", "spec", "spec_ahead", "spec_every_k", "spec_cached")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -91,6 +94,8 @@ def child(a: argparse.Namespace) -> dict:
   lengths = jnp.full((a.batch,), a.prompt_len, jnp.int32)
   sampling = SamplingConfig(max_new_tokens=a.max_new, temperature=0.0)
   engine = EngineConfig()
+  if a.child == "spec_ahead":
+    engine = dataclasses.replace(engine, compile_ahead=True)
   if a.child == "spec_every_k":
     engine = dataclasses.replace(engine, calibrate_every_k=True, calibration_iters=3,
                                  calibration_repeats=3)
@@ -150,6 +155,9 @@ def main(argv=None) -> None:
   for arm, r in arms.items():
     print(f"{arm:>16} {r['first_call_s']:8.1f} {r['compile_s']:10.1f} {r['programs_compiled']:9d} "
           f"{r['timed_costs']:6d} {r['second_call_s']:9.2f} {r['second_programs_compiled']:13d}")
+  if "spec" in arms and "spec_ahead" in arms:
+    print(f"first speculative call, buckets compiled when reached / all compiled first: "
+          f"{arms['spec']['first_call_s'] / arms['spec_ahead']['first_call_s']:.2f}x")
   if "spec" in arms and "spec_every_k" in arms:
     print(f"first speculative call, every K timed / defaults: "
           f"{arms['spec_every_k']['first_call_s'] / arms['spec']['first_call_s']:.2f}x")

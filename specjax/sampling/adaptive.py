@@ -114,8 +114,8 @@ class DraftLenPolicy:
 
   def choose(self, cost: Callable[[int], float], live: int) -> tuple[int, float]:
     """(K, expected tokens/s) maximising live * E[tokens | K] / cost(K). Every K is costed first
-    (the engine calibrates a bucket's K on its first visit, so no program of the run compiles
-    after its first rollout).
+    (the engine times a bucket's K = 0 and largest K on its first visit; a K in between costs an
+    estimate until a segment runs it).
 
     When the acceptance measured so far rules out every K > 0, the drafter is *retired* for the
     rest of the rollout: the estimate changes only through drafting segments, so no later choice

@@ -201,11 +201,13 @@ class CostTable:
     self._prepared.add(key)
     return True
 
-  def step_cost(self, key: tuple, run: Callable[[int], int], iters: int, repeats: int) -> float:
+  def step_cost(self, key: tuple, run: Callable[[int], int], iters: int, repeats: int,
+                compiled: bool = False) -> float:
     """Seconds per step of `key`, measured the first time it is asked for. `run(m)` runs a
     segment of at most m steps to completion (results discarded) and returns the steps it ran.
 
-    After one untimed run that compiles it, each repeat times a segment of n steps and one of
+    After one untimed run that compiles it (none when `compiled`: the program has compiled and
+    run already), each repeat times a segment of n steps and one of
     2n; the slope (t_2n - t_n) / n is the cost of a step without the segment's fixed cost
     (dispatch, loop entry, the host round trip), which would otherwise weigh on cheap steps more
     than on dear ones. The fastest of `repeats` timings of each is kept, since load on the
@@ -216,7 +218,8 @@ class CostTable:
       if got is not None:
         self._set(key, *got)
     if key not in self._step:
-      run(iters)
+      if not compiled:
+        run(iters)
       best = {iters: (float("inf"), 0), 2 * iters: (float("inf"), 0)}
       for _ in range(repeats):
         for m in best:

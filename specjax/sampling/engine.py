@@ -140,6 +140,7 @@ class _Run:
     self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
         if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, self.k_max))
     self.segments: list[Segment] = []
+    self.prepared: set[tuple] = set()  # (bucket, K, window) of programs `prepare_buckets` ran
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
@@ -168,7 +169,11 @@ class _Run:
     if k not in self.timed_ks:
       for end in (0, self.k_max):
         self.cost(state, bucket, end, longest)
-      return self.costs.line(self.cost_key(bucket, k), *self.line_point(bucket, k))
+      line = self.costs.line(self.cost_key(bucket, k), *self.line_point(bucket, k))
+      # no segment ran this K yet: its cost is a guess and choosing it compiles a program, so it
+      # must beat the timed K by min_gain
+      return line if self.costs.has(self.cost_key(bucket, k)) else \
+          line * (1.0 + self.engine.min_gain)
     window = window_for(longest, k, self.engine.window_block, self.cache_size)
 
     def run(m: int) -> int:
@@ -177,7 +182,8 @@ class _Run:
       return int(iters)
 
     return self.costs.step_cost(self.cost_key(bucket, k), run, self.engine.calibration_iters,
-                                self.engine.calibration_repeats)
+                                self.engine.calibration_repeats,
+                                compiled=(bucket, k, window) in self.prepared)
 
   def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
     """Compile the programs of `buckets` (the first is `state`'s own bucket; the others' states
@@ -213,6 +219,8 @@ class _Run:
         jax.block_until_ready(list(pool.map(lambda job: job(), jobs)))
     else:
       jax.block_until_ready([job() for job in jobs])
+    self.prepared.update((b, k, window_for(prompt_len, k, self.engine.window_block,
+                                           self.cache_size)) for b in buckets for k in ks)
     if self.adaptive:
       for b in buckets[1:]:
         for k in ks:
