@@ -18,7 +18,7 @@ TINY = ["--base.steps", "4", "--base.examples", "64", "--base.batch-size", "16",
         "--base.pretrain-mlp-hidden", "32", "--rl.task.operands", "3",
         "--rl.rollout.max-new-tokens", "18",
         # one live-batch bucket (8 rows): adaptive K still runs; compaction is test_engine's and
-        # test_rl_loop's, and each smaller bucket would add four programs to compile and calibrate
+        # test_rl_loop's, and each smaller bucket would add programs to compile and calibrate
         "--rl.rollout.min-bucket", "8"]
 
 

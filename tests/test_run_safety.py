@@ -211,3 +211,29 @@ def test_with_max_bad_steps_zero_the_first_non_finite_step_stops_the_run(policy,
               if e["event"] == "nonfinite_step"]
   assert (event["step"], event["update"]) == (2, "stopped")
   assert Checkpointer(str(tmp_path / "checkpoints")).steps() == [2]
+
+
+def test_jobs_keep_compiled_programs_in_the_cache_dir_unless_a_cache_is_set(tmp_path):
+  """`use_compile_cache`: with no JAX cache directory set, compiled programs go to
+  <cache_dir>/xla (also after a program compiled without a cache); a directory already set wins."""
+  from jax.experimental.compilation_cache import compilation_cache
+
+  from specjax.jobs.cache import use_compile_cache
+
+  before = (jax.config.jax_compilation_cache_dir,
+            jax.config.jax_persistent_cache_min_compile_time_secs)
+  try:
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    jax.jit(lambda x: x * 3)(np.ones(3))  # JAX checks for a cache at its first compile
+    path = use_compile_cache(str(tmp_path / "cache"))
+    assert path == str(tmp_path / "cache" / "xla")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.jit(lambda x: jax.numpy.sin(x) * 5)(np.ones(7))
+    assert os.listdir(path), "the program compiled after use_compile_cache was not stored"
+    assert use_compile_cache(str(tmp_path / "other")) == path  # one set already: kept
+    assert not (tmp_path / "other").exists()
+  finally:
+    jax.config.update("jax_compilation_cache_dir", before[0])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+    compilation_cache.reset_cache()

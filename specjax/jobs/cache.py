@@ -1,5 +1,6 @@
-"""The experiment's cache under `ExperimentConfig.cache_dir` (base policies, offline drafts): entry
-keys from the configs that determine an entry, and entries written whole or not at all.
+"""The experiment's cache under `ExperimentConfig.cache_dir` (base policies, offline drafts, and
+XLA's compiled programs): entry keys from the configs that determine an entry, and entries
+written whole or not at all.
 """
 
 from __future__ import annotations
@@ -7,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from typing import Any, Callable
 
 import numpy as np
@@ -34,3 +36,22 @@ def write_cache_entry(path: str, write: Callable[[str], object]) -> str:
   half an entry. Replacing an existing entry is explicit here because cache entries belong to
   the cache (rebuilt with --fresh), never to the user."""
   return write_dir_atomically(path, write, overwrite=True, who="cache")
+
+
+def use_compile_cache(cache_dir: str) -> str:
+  """Keep XLA's compiled programs in `<cache_dir>/xla` (JAX's persistent compilation cache), so a
+  second run of a job, or a resumed one, loads the programs its first rollout and train step
+  would otherwise compile. A cache directory already set (`JAX_COMPILATION_CACHE_DIR`, or
+  `jax_compilation_cache_dir` in the process) is kept. Returns the directory in use. Entries are
+  keyed by the program and the compiler (JAX's own key): a changed program compiles anew."""
+  import jax
+  from jax.experimental.compilation_cache import compilation_cache
+
+  current = jax.config.jax_compilation_cache_dir
+  if current:
+    return current
+  path = os.path.abspath(os.path.join(cache_dir, "xla"))
+  os.makedirs(path, exist_ok=True)
+  jax.config.update("jax_compilation_cache_dir", path)
+  compilation_cache.reset_cache()  # (JAX decides at its first compile whether a cache is used)
+  return path

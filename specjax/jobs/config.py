@@ -87,6 +87,9 @@ class ExperimentConfig:
   name: str = "rl_zero"
   out_dir: str = "runs"  # the report goes to <out_dir>/<name>/
   cache_dir: str = ".cache/specjax"  # base policies and draft heads, keyed by their config
+  # keep XLA's compiled programs in <cache_dir>/xla (unless JAX_COMPILATION_CACHE_DIR names
+  # another place), so a rerun or a resumed run loads what its first rollout compiled
+  compile_cache: bool = True
   # an existing <out_dir>/<name> is refused unless one of these says what to do with it
   fresh: bool = False  # start over: replace the earlier run (once the new one's checks pass) and
   #                      rebuild the cached base policy and draft head

@@ -17,6 +17,7 @@ from flax import nnx
 
 from specjax.config_tree import check
 from specjax.jobs.base_policy import base_policy_dir, load_base_policy
+from specjax.jobs.cache import use_compile_cache
 from specjax.jobs.config import Examples, ExperimentConfig
 from specjax.jobs.draft_init import build_offline_draft
 from specjax.jobs.run_dir import (Replacement, check_flags, check_model_dir, check_policy,
@@ -88,6 +89,8 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   check_flags(cfg)
   claim_run_dir(out, resume=cfg.resume, fresh=cfg.fresh)
   check_export_dir(cfg)
+  if cfg.compile_cache:
+    logger.info(f"[cache] compiled programs: {use_compile_cache(cfg.cache_dir)}")
   if cfg.model_path:
     check_model_dir(cfg.model_path)
   tokenizer = build_tokenizer(cfg)
