@@ -76,9 +76,10 @@ class RolloutConfig:
   compaction: bool = _ENGINE.compaction
   min_bucket: int = _ENGINE.min_bucket
   window_block: int = _ENGINE.window_block
-  # True: every bucket's programs compile before the first rollout's first segment (no compile
-  # in a later rollout); False: each bucket's when a rollout first reaches it
-  compile_ahead: bool = _ENGINE.compile_ahead
+  # True: every bucket's programs compile before the first rollout's first segment, so no later
+  # step compiles (its rollout time is steps only); False (the engine's own default): each
+  # bucket's when a rollout first reaches it, a faster first rollout
+  compile_ahead: bool = True
   # slots: rows generated at once (0: the whole step's rows); more rows queue and are admitted
   # into the slots of finished ones, refill_fraction of the slots at a time
   max_rows: int = _ENGINE.max_rows
