@@ -56,7 +56,9 @@ class EngineConfig:
   compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
-  min_gain: float = 0.05  # draft only when expected tokens/s beat plain AR by this fraction
+  # draft only when expected tokens/s beat plain AR by this fraction; a K no segment has run
+  # (its cost a line estimate, its program not compiled) must also beat the timed K by it
+  min_gain: float = 0.05
   # prefill each distinct prompt once when the rows come in blocks of identical prompts (GRPO
   # groups: G samples per prompt, consecutive); the rows' samples stay independent
   share_prefill: bool = True
