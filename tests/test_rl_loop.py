@@ -156,6 +156,34 @@ def test_resume_after_an_interruption_matches_an_uninterrupted_run(base_model, t
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_history_drafts_from_a_revisited_prompt_pool_and_resumes_exactly(base_model, tmp_path):
+  """8 prompts revisited every step (TaskConfig.pool_size): from the second visit the history
+  drafter has each prompt's earlier answers; the history travels in the checkpoint, so an
+  interrupted run resumes as the uninterrupted one."""
+  cfg = CFG.replace(steps=4, task=dataclasses.replace(CFG.task, pool_size=8),
+                    draft=DraftConfig(kind="history", draft_len=2, adaptive=False),
+                    checkpoint=CheckpointConfig(save_on_exit=True, resume=True))
+  full = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "full"), verbose=False)
+  records = read_metrics(full["metrics_path"])
+  assert [r["data/epoch"] for r in records] == [0, 1, 2, 3]
+  assert [r["draft/history_prompts"] for r in records] == [8] * 4
+  # the first visit drafts by n-gram lookup in the row alone; later visits from the history
+  first, later = records[0], records[1:]
+  assert all(r["spec/acceptance_length"] > first["spec/acceptance_length"] + 0.2 for r in later), \
+      [r["spec/acceptance_length"] for r in records]
+
+  def interrupt(step, metrics):
+    if step == 2:
+      raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), hooks=[interrupt],
+           verbose=False)
+  resumed = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), verbose=False)
+  assert resumed["start_step"] == 2
+  assert _strip_times(records) == _strip_times(read_metrics(resumed["metrics_path"]))
+
+
 class FlakyArithmetic(ArithmeticTask):
   """Its verifier crashes on every answer that starts with "1"."""
 

@@ -218,3 +218,19 @@ def test_the_registry_builds_tasks_by_name_and_rejects_unknown_ones(tmp_path):
   except ImportError:
     with pytest.raises(ImportError, match="pip install reasoning-gym"):
       make_task(TaskConfig(name="reasoning_gym", dataset="chain_sum"), TOK)
+
+
+def test_a_prompt_pool_is_revisited_every_epoch_in_a_fresh_order():
+  tok = CharTokenizer()
+  pooled = TraceTask(TaskConfig(name="trace", operands=6, pool_size=5), tok)
+  stream = TraceTask(TaskConfig(name="trace", operands=6), tok)
+  first = [e.prompt for e in stream.examples(0, 5)]
+  epochs = [[e.prompt for e in pooled.train_examples(5 * i, 5)] for i in range(3)]
+  for epoch in epochs:
+    assert sorted(epoch) == sorted(first)  # every epoch: the pool's five prompts, once each
+  assert len({tuple(e) for e in epochs}) > 1  # in an order drawn per epoch
+  # any window of positions reads the same prompts (a resumed run sees what it would have seen)
+  assert [e.prompt for e in pooled.train_examples(3, 6)] == (epochs[0] + epochs[1])[3:9]
+  # without a pool, RL reads the stream; the pool never changes the task's own stream
+  assert [e.prompt for e in stream.train_examples(5, 5)] == \
+      [e.prompt for e in stream.examples(5, 5)] == [e.prompt for e in pooled.examples(5, 5)]

@@ -12,7 +12,7 @@ import time
 import numpy as np
 from flax import nnx
 
-from specjax.jobs.cache import cache_key, write_cache_entry
+from specjax.jobs.cache import cache_key, task_key, write_cache_entry
 from specjax.jobs.config import BaseModelConfig, Examples, ExperimentConfig
 
 logger = logging.getLogger(__name__)
@@ -94,7 +94,7 @@ def base_policy_dir(cfg: ExperimentConfig, tokenizer, task, base_examples: Examp
   seed = cfg.base.seed if cfg.base.seed >= 0 else cfg.rl.seed
   # aux_layers only picks which hidden states a forward exports: not part of the weights' key
   key = cache_key("base", model_cfg.replace(aux_layers=None),
-                  dataclasses.replace(cfg.base, seed=seed), cfg.rl.task, seed,
+                  dataclasses.replace(cfg.base, seed=seed), task_key(cfg.rl.task), seed,
                   finetune_examples is not None)
   path = os.path.join(cfg.cache_dir, f"base-{key}")
   if os.path.isdir(path) and not cfg.fresh:

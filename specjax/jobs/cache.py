@@ -23,6 +23,12 @@ def cache_key(*parts: Any) -> str:
   return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 
+def task_key(task_cfg) -> dict:
+  """The part of a TaskConfig that what the cache holds depends on: all of it but pool_size
+  (which of the task's prompts RL trains on, never what a base or a draft is trained on)."""
+  return {k: v for k, v in dataclasses.asdict(task_cfg).items() if k != "pool_size"}
+
+
 def params_fingerprint(params) -> float:
   """A cheap content key of a policy's params: the sum of its first leaves. Why: a draft trained
   on one policy must not be reused for another policy of the same config."""

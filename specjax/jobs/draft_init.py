@@ -15,7 +15,7 @@ from flax import nnx
 
 from specjax.config_tree import check
 from specjax.jobs.base_policy import pretrain_model_cfg
-from specjax.jobs.cache import cache_key, params_fingerprint, write_cache_entry
+from specjax.jobs.cache import cache_key, params_fingerprint, task_key, write_cache_entry
 from specjax.jobs.config import ExperimentConfig
 
 logger = logging.getLogger(__name__)
@@ -51,9 +51,10 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task):
   d = cfg.draft_init
   graphdef, params = nnx.split(policy)
   # the rollouts' sampling settings, not the engine's (compaction, train widths, the draft
-  # lengths it may pick): those do not change what the head is trained on
-  key = cache_key("draft", d, cfg.rl.draft.kind, cfg.rl.draft.ttt_steps,
-                  sampling_config(cfg.rl, tokenizer), cfg.rl.task, policy.cfg,
+  # lengths it may pick): those do not change what the head is trained on; every kind that drafts
+  # with a head (eagle3, eagle3-history) trains this one
+  key = cache_key("draft", d, "eagle3", cfg.rl.draft.ttt_steps,
+                  sampling_config(cfg.rl, tokenizer), task_key(cfg.rl.task), policy.cfg,
                   params_fingerprint(params))
   path = os.path.join(cfg.cache_dir, f"eagle3-{key}")
   if os.path.isdir(path) and not cfg.fresh:
@@ -116,7 +117,7 @@ def build_mtp_module(cfg: ExperimentConfig, policy, tokenizer, task):
 
   d = cfg.draft_init
   trunk = nnx.state(policy, nnx.Not(nnx.PathContains("mtp")))
-  key = cache_key("mtp", d, sampling_config(cfg.rl, tokenizer), cfg.rl.task, policy.cfg,
+  key = cache_key("mtp", d, sampling_config(cfg.rl, tokenizer), task_key(cfg.rl.task), policy.cfg,
                   params_fingerprint(trunk))
   path = os.path.join(cfg.cache_dir, f"mtp-{key}")
   file = os.path.join(path, "mtp.safetensors")

@@ -57,6 +57,21 @@ def two_proportion_test(k1: int, n1: int, k2: int, n2: int) -> dict[str, float]:
   return {"z": z, "p_value": p_value if pooled not in (0.0, 1.0) else 1.0}
 
 
+def _by_epoch(steps: list[dict], compiled: list[bool]) -> dict[str, dict[str, float | None]]:
+  """A run over a revisited prompt pool (TaskConfig.pool_size): per epoch (its steps' first
+  prompt's), mean acceptance length and rollout seconds per step (compile steps left out);
+  {} for a run over a stream."""
+  out: dict[str, dict[str, float | None]] = {}
+  for e in sorted({r["data/epoch"] for r in steps if "data/epoch" in r}):
+    mine = [(r, c) for r, c in zip(steps, compiled) if r.get("data/epoch") == e]
+    acc = [r["spec/acceptance_length"] for r, _ in mine if "spec/acceptance_length" in r]
+    acc = [a for a in acc if np.isfinite(a)]
+    gen = [r.get("time/gen", 0.0) for r, c in mine if not c]
+    out[str(e)] = {"steps": len(mine), "acceptance_length": float(np.mean(acc)) if acc else None,
+                   "rollout_time_s": float(np.mean(gen)) if gen else None}
+  return out
+
+
 def run_stats(records: list[dict]) -> dict[str, Any]:
   steps = [r for r in records if "time/step" in r]
   compiled = compile_mask(steps)
@@ -89,6 +104,7 @@ def run_stats(records: list[dict]) -> dict[str, Any]:
       # the packed train step leaves out zero-advantage sequences: how much each run trained on
       "trained_seq_fraction": _mean_after_compile([1.0 - v for v, _ in skipped],
                                                   [c for _, c in skipped]) if skipped else None,
+      "by_epoch": _by_epoch(steps, compiled),
       "val_steps": val_steps,
       "val_accuracy": val_acc,
       "final_val_accuracy": val_acc[-1] if val_acc else None,
@@ -260,6 +276,12 @@ def format_table(summary: dict[str, Any]) -> str:
     lines.append(f"rollout speedup {summary['rollout_speedup']:.2f}x, "
                  f"step speedup {summary['step_speedup']:.2f}x" +
                  (f" (spec trained on {rows:.2f}x AR's packed rows)" if rows else ""))
+  for label, s in runs.items():
+    epochs = s.get("by_epoch") or {}
+    if epochs:
+      lines.append(f"{label} by prompt-pool epoch (acceptance length / rollout s per step): " +
+                   ", ".join(f"{e}:{fmt(v['acceptance_length'], '.2f')}/"
+                             f"{fmt(v['rollout_time_s'], '.3f')}" for e, v in epochs.items()))
   for label, v in summary.get("validation", {}).items():
     lines.append(f"{label} validation accuracy by step: " +
                  ", ".join(f"{st}:{a:.2f}" for st, a in zip(v["steps"], v["accuracy"])))

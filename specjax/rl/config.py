@@ -34,6 +34,14 @@ class DraftConfig:
   ngram_min: int = 1
   ngram_max: int = 3
   path: str = ""  # checkpoint or HF folder of an offline-trained draft
+  # history / eagle3-history: each prompt's most recent completions (`HistoryStore`), kept for
+  # at most history_prompts prompts x history_per_prompt completions of history_tokens tokens
+  # (0: ngram_max prompt tokens + max_new_tokens); a history draft needs a match of at least
+  # history_min_match tokens (capped at ngram_max)
+  history_prompts: int = 1024
+  history_per_prompt: int = 4
+  history_tokens: int = 0
+  history_min_match: int = 2
 
   def __post_init__(self):
     w = "DraftConfig"
@@ -45,6 +53,15 @@ class DraftConfig:
     _check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
     _check(1 <= self.ngram_min <= self.ngram_max, f"{w}.ngram_min",
            f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
+    _check(self.history_prompts >= 1, f"{w}.history_prompts",
+           f"must be >= 1, got {self.history_prompts}")
+    _check(self.history_per_prompt >= 1, f"{w}.history_per_prompt",
+           f"must be >= 1, got {self.history_per_prompt}")
+    _check(self.history_tokens == 0 or self.history_tokens > self.ngram_max,
+           f"{w}.history_tokens", f"must be 0 (ngram_max + max_new_tokens) or > ngram_max = "
+           f"{self.ngram_max}, got {self.history_tokens}")
+    _check(self.history_min_match >= 1, f"{w}.history_min_match",
+           f"must be >= 1, got {self.history_min_match}")
     if self.online and self.method.online_loss is None:
       # "adapt the draft online when the kind can": switching --rl.draft.kind away from eagle3 /
       # mtp keeps working; only kinds with an online loss ever train inside the step
@@ -179,6 +196,9 @@ class TaskConfig:
   dataset_size: int = 10000
   val_size: int = 64
   seed: int = 0
+  # training prompts: 0 = the task's own order (endless for the procedural tasks, epochs over a
+  # dataset); N > 0 = a pool of the first N, revisited epoch after epoch, each in a fresh order
+  pool_size: int = 0
 
   def __post_init__(self):
     w = "TaskConfig"
@@ -191,6 +211,7 @@ class TaskConfig:
            f"must be > 0, got {self.reward_timeout_s}")
     _check(self.format_reward >= 0, f"{w}.format_reward", f"must be >= 0, got {self.format_reward}")
     _check(self.val_size >= 0, f"{w}.val_size", f"must be >= 0, got {self.val_size}")
+    _check(self.pool_size >= 0, f"{w}.pool_size", f"must be >= 0, got {self.pool_size}")
 
 
 @dataclasses.dataclass(frozen=True)

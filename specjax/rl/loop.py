@@ -28,8 +28,8 @@ from specjax.rl.metrics_log import (METRICS_FILE, MetricsLogger, RunWriteError, 
                                     write_cause)
 from specjax.rl.preemption import Preempted, StepBoundary, StopSignals
 from specjax.rl.rollout import (RolloutSampler, acceptance_summary, build_drafter,
-                                decode_completions, make_tuning, pad_prompts, resize_columns,
-                                sequence_arrays, train_widths)
+                                decode_completions, make_history, make_tuning, pad_prompts,
+                                resize_columns, sequence_arrays, train_widths)
 from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names,
                                state_donated)
 from specjax.rl.tasks import Task, compute_rewards, make_task
@@ -79,7 +79,7 @@ def setup_run(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, dra
   state = trainer.init_state(init.policy, init.draft, init.draft_aux)
   task = task if task is not None else make_task(cfg.task, tokenizer)
   sampler = RolloutSampler(cfg, graphdef, tokenizer, drafter, drafter_params,
-                           tuning=make_tuning(cfg))
+                           tuning=make_tuning(cfg), history=make_history(cfg, drafter))
   # a copy: the train step donates (reuses) the buffers of the state it updates
   ref = jax.tree.map(jnp.copy, trainer.forward_params(state.params)) if cfg.grpo.beta > 0 \
       else None
@@ -120,7 +120,7 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
   cfg = run.cfg
   g, n_prompts = cfg.grpo.group_size, cfg.prompts_per_step
   with timer.phase("data") as p:
-    examples = run.task.examples(data_position, n_prompts)
+    examples = run.task.train_examples(data_position, n_prompts)
     ids = [run.task.encode_prompt(e) for e in examples]
     prompts, lengths, cut = pad_prompts(ids, prompt_width(run, ids), run.tokenizer.pad_id,
                                         repeat=g)
@@ -167,6 +167,10 @@ def rl_step(run: RLRun, state: TrainState, step: int, key: jax.Array, data_posit
       **train_metrics,
       "train/width": int(tokens.shape[1]),
   }
+  if cfg.task.pool_size:
+    metrics["data/epoch"] = data_position // cfg.task.pool_size
+  if run.sampler.history is not None:
+    metrics["draft/history_prompts"] = run.sampler.history.prompts
   if bad:
     metrics[NONFINITE_KEY] = bad
   return state, metrics, rewards.errors
@@ -237,12 +241,13 @@ def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, er
 
 
 def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dict | None = None,
-             tuning=None):
+             tuning=None, history=None):
   """Checkpointer and metrics logger of a run, and where it starts: the state, step, data
   position and RNG key of the newest good checkpoint of this run (same `run_identity`) when
   cfg.checkpoint.resume, else step 0 (a checkpoint dir with checkpoints is then an error). The
   checkpoint's engine tuning (costs, acceptance estimates) goes into `tuning` (an EngineTuning),
-  so the resumed run picks the K the uninterrupted one would have.
+  so the resumed run picks the K the uninterrupted one would have; its drafting history into
+  `history` (a HistoryStore), so the resumed run drafts what the uninterrupted one would have.
   metrics.jsonl is cut back to the start step, so every step is logged once. Returns (ckpt,
   logger, state, start, data_position, base_key, pending): `pending` is the restored step whose
   metrics were not written before the interruption (None mostly); the loop writes it first."""
@@ -260,6 +265,8 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
       pending = PendingStep.from_json(meta["extra"].get("pending"))
       if tuning is not None:
         tuning.load_json(meta["extra"].get("engine_tuning"))
+      if history is not None:
+        history.load_json(meta["extra"].get("history"))
   elif ckpt.steps():
     steps = ckpt.steps()
     ckpt.close()
@@ -293,12 +300,13 @@ def save_tuning(run_dir: str, data: dict) -> None:
 
 
 def checkpoint_saver(ckpt: Checkpointer, start: int, tuning: Callable[[], dict] | None = None,
-                     run_dir: str = ""):
+                     run_dir: str = "", history: Callable[[], dict] | None = None):
   """`save(completed, state, rng, data_position, last, pending)` for the loops: each step is
   saved once (an exit save right after a periodic one is not repeated); a step whose metrics are
   pending is saved with them; a state donated to an interrupted update is not saved (warning).
   `tuning()`: the engine tuning (JSON) that goes with the saved step, stored in the checkpoint
-  and as <run_dir>/engine_tuning.json."""
+  and as <run_dir>/engine_tuning.json; `history()`: the drafting history (JSON), stored in the
+  checkpoint."""
   saved = {"step": start}
 
   def save(completed: int, state, rng, data_position: int, last: dict,
@@ -316,6 +324,8 @@ def checkpoint_saver(ckpt: Checkpointer, start: int, tuning: Callable[[], dict] 
     engine_tuning = tuning() if tuning is not None else None
     if engine_tuning is not None:
       extra["engine_tuning"] = engine_tuning
+    if history is not None:
+      extra["history"] = history()
     ckpt.save(step, state, rng=rng, data_position=data_position, extra=extra)
     saved["step"] = step
     if engine_tuning is not None and run_dir:
@@ -416,11 +426,13 @@ def _iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None, *, out_dir:
                 draft_maps, hooks: Sequence[Hook], validation_hooks: Sequence[Hook],
                 stop_after: int | None, verbose: bool, signals: StopSignals | None):
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
+  history = run.sampler.history
   ckpt, logger, state, start, data_position, base_key, pending = open_run(
-      cfg, out_dir, state, tuning=run.sampler.tuning)
+      cfg, out_dir, state, tuning=run.sampler.tuning, history=history)
   timer, guard = PhaseTimer(), NonFiniteGuard(cfg.max_bad_steps)
   completed, last, last_val, stopped_by = start, {}, {}, None
-  saver = checkpoint_saver(ckpt, start, run.sampler.tuning.to_json, cfg.log_dir or out_dir)
+  saver = checkpoint_saver(ckpt, start, run.sampler.tuning.to_json, cfg.log_dir or out_dir,
+                           history=None if history is None else history.to_json)
   boundary = StepBoundary(cfg.checkpoint.every, cfg.checkpoint.every_minutes, signals)
 
   def save() -> None:

@@ -19,7 +19,7 @@ from specjax.models.config import DTYPES
 from specjax.rl.config import RLConfig
 from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning, Rollout,
                               SamplingConfig, generate, speculative_generate)
-from specjax.drafters import GroupNgramDrafter
+from specjax.drafters import GroupNgramDrafter, HistoryDrafter, HistoryParams, HistoryStore
 
 
 def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
@@ -59,6 +59,16 @@ def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None)
                                         group_size=cfg.grpo.group_size)
 
 
+def make_history(cfg: RLConfig, drafter: Drafter | None) -> HistoryStore | None:
+  """The run's store of each prompt's earlier completions, for a drafter that reads one."""
+  if not isinstance(drafter, HistoryDrafter):
+    return None
+  d = cfg.draft
+  return HistoryStore(max_prompts=d.history_prompts, per_prompt=d.history_per_prompt,
+                      width=d.history_tokens or drafter.n + cfg.rollout.max_new_tokens,
+                      tail=drafter.n)
+
+
 def cast_floats(tree: Any, dtype) -> Any:
   def one(x):
     if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != dtype:
@@ -71,7 +81,8 @@ def cast_floats(tree: Any, dtype) -> Any:
 class RolloutSampler:
   """AR or speculative sampling of G completions per prompt with the current policy. Owns the
   run's `EngineTuning`: the rollout engine's step costs, calibrated in the first rollout, and its
-  acceptance estimates, carried from rollout to rollout."""
+  acceptance estimates, carried from rollout to rollout; and, for the history drafters, the
+  `HistoryStore` every sampled (not greedy) rollout's completions are recorded in."""
 
   cfg: RLConfig
   policy_graphdef: Any
@@ -79,6 +90,7 @@ class RolloutSampler:
   drafter: Drafter | None = None
   drafter_params: Any = None  # fixed params (draft model); None when they follow training
   tuning: EngineTuning = dataclasses.field(default_factory=EngineTuning)
+  history: HistoryStore | None = None
 
   def prepare(self, params: dict, forward_params: Any, draft_aux: Any = ()) -> tuple[Any, Any]:
     """(policy params, drafter params) for the sampler from the train state's params (the
@@ -104,8 +116,15 @@ class RolloutSampler:
     if isinstance(drafter, GroupNgramDrafter) and group_size is not None and \
         group_size != drafter.group_size:
       drafter = dataclasses.replace(drafter, group_size=group_size)
-    return speculative_generate((self.policy_graphdef, policy), drafter, drafter_params, prompts,
-                                prompt_lengths, key, scfg, engine=engine, tuning=self.tuning)
+    if self.history is not None:
+      drafter_params = HistoryParams(table=self.history.table(), inner=drafter_params)
+    rollout = speculative_generate((self.policy_graphdef, policy), drafter, drafter_params,
+                                   prompts, prompt_lengths, key, scfg, engine=engine,
+                                   tuning=self.tuning)
+    if self.history is not None and not greedy:
+      self.history.record(*jax.device_get((prompts, prompt_lengths, rollout.tokens,
+                                           rollout.lengths)))
+    return rollout
 
 
 def pad_prompts(prompts: Sequence[Sequence[int]], width: int, pad_id: int,

@@ -101,7 +101,7 @@ def make_producer(run: RLRun, sampler: RolloutSampler, gen_mesh, base_key: jax.A
     policy, drafter_params = params
     clock = _Clock()
     position = data_position + (index - start) * n
-    examples = task.examples(position, n)
+    examples = task.train_examples(position, n)
     ids = [task.encode_prompt(e) for e in examples]
     prompts, lengths, cut = pad_prompts(ids, prompt_width(run, ids), tok.pad_id, repeat=g)
     prompts, lengths = shard_batch((jnp.asarray(prompts), jnp.asarray(lengths)), gen_mesh)

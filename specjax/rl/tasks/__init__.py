@@ -44,6 +44,23 @@ class Task:
     """Training prompts start .. start + n - 1 of the (endless, deterministic) stream."""
     return [self.example(start + i) for i in range(n)]
 
+  def train_examples(self, position: int, n: int) -> list[Example]:
+    """The RL run's prompts at data positions position .. position + n - 1: the stream's, or
+    with TaskConfig.pool_size P, a pool of its examples 0 .. P - 1 visited epoch after epoch
+    (epoch e = positions e P .. e P + P - 1, in an order drawn from the task seed and e)."""
+    return [self.example(self.pool_index(position + i)) for i in range(n)]
+
+  def pool_index(self, position: int) -> int:
+    """The example at data position `position` (TaskConfig.pool_size)."""
+    size = self.cfg.pool_size
+    if not size:
+      return position
+    epoch = position // size
+    if getattr(self, "_pool_epoch", None) != epoch:
+      self._pool_epoch = epoch
+      self._pool_order = np.random.default_rng([self.cfg.seed, 7919, epoch]).permutation(size)
+    return int(self._pool_order[position % size])
+
   def validation(self, n: int) -> list[Example]:
     raise NotImplementedError
 

@@ -1,0 +1,347 @@
+"""History drafting: the completions earlier rollouts gave the same prompt, as a lookup corpus.
+
+RL revisits its prompts epoch after epoch, and as the policy converges its answers to a prompt
+repeat. `HistoryStore` (host) keeps, per prompt, its most recent completions within fixed caps;
+before a rollout it hands the device a `HistoryTable` of static shape. `HistoryDrafter` loads
+each row's entries when the row is prefilled (the prompt's hash, computed on the device, finds
+them), and drafts the continuation of the row's last n tokens in them, the occurrence nearest the
+row's own position first. Where the history has no match the drafter falls back to its `inner`
+drafter (an EAGLE-3 head, a draft model) or, without one, to n-gram lookup in the row itself.
+
+Drafts from the history are deterministic (a one-hot draft distribution), and whether a row
+takes them depends only on committed tokens and the table: the verifier accepts each with
+probability p(x), so the output keeps the target's distribution whatever the history holds (a
+hash collision or a stale answer costs acceptance, never correctness).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from specjax.config_tree import check
+from specjax.drafters.methods import DraftMethodBase, get_method, register_method
+from specjax.drafters.ngram import _windows_match, lookup
+from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+
+_MULT = np.uint32(0x9E3779B1)  # odd: multiplication is a bijection mod 2^32
+_SEED = np.uint32(0x85EBCA6B)
+
+
+def prompt_keys(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
+  """uint32[B]: a hash of each row's first lengths[b] tokens (the same as `prompt_key`)."""
+  width = tokens.shape[1]
+  powers = jnp.cumprod(jnp.full((width,), _MULT, jnp.uint32)) * _SEED  # mod 2^32
+  live = jnp.arange(width)[None, :] < lengths[:, None]
+  terms = jnp.where(live, (tokens.astype(jnp.uint32) + jnp.uint32(1)) * powers[None, :], 0)
+  return jnp.sum(terms, axis=1, dtype=jnp.uint32) + lengths.astype(jnp.uint32)
+
+
+def prompt_key(tokens) -> int:
+  """The hash `prompt_keys` computes on the device, of one prompt's token ids, on the host."""
+  t = np.asarray(tokens, np.uint32)
+  with np.errstate(over="ignore"):
+    powers = np.cumprod(np.full((len(t),), _MULT, np.uint32), dtype=np.uint32) * _SEED
+    return int((np.sum((t + np.uint32(1)) * powers, dtype=np.uint32) + np.uint32(len(t)))
+               & 0xFFFFFFFF)
+
+
+@struct.dataclass
+class HistoryTable:
+  """What the device sees of a `HistoryStore`: M prompt slots of H entries of W tokens. An entry
+  holds the last `tail` tokens of its prompt, then the completion (cut at W)."""
+
+  keys: jax.Array  # uint32[M] prompt hash
+  prompt_lengths: jax.Array  # int32[M]; -1: an empty slot
+  tokens: jax.Array  # int32[M, H, W]
+  lengths: jax.Array  # int32[M, H] tokens held per entry (0: empty)
+  tail: int = struct.field(pytree_node=False, default=3)
+
+
+@struct.dataclass
+class HistoryParams:
+  table: HistoryTable
+  inner: Any = None  # the inner drafter's params
+
+
+@struct.dataclass
+class HistoryState:
+  tokens: jax.Array  # int32[B, H, W] the row's prompt's entries
+  lengths: jax.Array  # int32[B, H]
+  inner: Any = ()
+
+
+class HistoryStore:
+  """Per prompt (keyed by its token ids), the `per_prompt` most recent completions, for at most
+  `max_prompts` prompts (the least recently recorded prompt is evicted first): memory is
+  max_prompts x per_prompt x width int32 on the device whatever the run's length. `tail` prompt
+  tokens precede each completion, so a row's first drafts can match its prompt's end."""
+
+  def __init__(self, max_prompts: int, per_prompt: int, width: int, tail: int):
+    check(max_prompts >= 1, "HistoryStore.max_prompts", f"must be >= 1, got {max_prompts}")
+    check(per_prompt >= 1, "HistoryStore.per_prompt", f"must be >= 1, got {per_prompt}")
+    check(tail >= 1, "HistoryStore.tail", f"must be >= 1, got {tail}")
+    check(width > tail, "HistoryStore.width", f"must be > tail = {tail}, got {width}")
+    self.max_prompts, self.per_prompt, self.width, self.tail = max_prompts, per_prompt, width, tail
+    self._clear()
+
+  def _clear(self) -> None:
+    max_prompts, per_prompt, width = self.max_prompts, self.per_prompt, self.width
+    self._slots: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+    self._next = [0] * max_prompts  # per slot: the entry the next completion overwrites
+    self._keys = np.zeros((max_prompts,), np.uint32)
+    self._plens = np.full((max_prompts,), -1, np.int32)
+    self._tokens = np.zeros((max_prompts, per_prompt, width), np.int32)
+    self._lengths = np.zeros((max_prompts, per_prompt), np.int32)
+    self._table: HistoryTable | None = None
+    self.recorded = 0  # completions recorded over the store's life
+
+  @property
+  def prompts(self) -> int:
+    return len(self._slots)
+
+  @property
+  def nbytes(self) -> int:
+    return self._tokens.nbytes + self._lengths.nbytes + self._keys.nbytes + self._plens.nbytes
+
+  def record(self, prompts, prompt_lengths, completions, lengths) -> None:
+    """Rows of a rollout: prompts int[N, P] (right-padded), prompt_lengths int[N], completions
+    int[N, C], lengths int[N]. Rows keep their order: the last of a prompt's rows is its most
+    recent entry."""
+    prompts, completions = np.asarray(prompts), np.asarray(completions)
+    prompt_lengths, lengths = np.asarray(prompt_lengths), np.asarray(lengths)
+    for p, pl, c, cl in zip(prompts, prompt_lengths, completions, lengths):
+      ids = p[:int(pl)]
+      name = (prompt_key(ids), int(pl))
+      slot = self._slots.pop(name, None)
+      if slot is None:
+        if len(self._slots) < self.max_prompts:
+          slot = len(self._slots)
+        else:  # evict the least recently recorded prompt
+          _, slot = self._slots.popitem(last=False)
+        self._keys[slot], self._plens[slot] = name
+        self._tokens[slot], self._lengths[slot], self._next[slot] = 0, 0, 0
+      self._slots[name] = slot
+      entry = np.concatenate([ids[-self.tail:], c[:int(cl)]])[:self.width]
+      e = self._next[slot]
+      self._tokens[slot, e] = 0
+      self._tokens[slot, e, :len(entry)] = entry
+      self._lengths[slot, e] = len(entry)
+      self._next[slot] = (e + 1) % self.per_prompt
+      self.recorded += 1
+    self._table = None
+
+  def table(self) -> HistoryTable:
+    """The device copy (made once per change)."""
+    if self._table is None:
+      self._table = HistoryTable(keys=jnp.asarray(self._keys),
+                                 prompt_lengths=jnp.asarray(self._plens),
+                                 tokens=jnp.asarray(self._tokens),
+                                 lengths=jnp.asarray(self._lengths), tail=self.tail)
+    return self._table
+
+  def to_json(self) -> dict:
+    """What the store holds, as plain JSON (a checkpoint's): its shape and each prompt's entries,
+    least recently recorded first."""
+    slots = []
+    for (key, plen), slot in self._slots.items():
+      lens = self._lengths[slot]
+      slots.append({"slot": slot, "key": key, "prompt_length": plen, "next": self._next[slot],
+                    "entries": [self._tokens[slot, e, :lens[e]].tolist()
+                                for e in range(self.per_prompt)]})
+    return {"shape": [self.max_prompts, self.per_prompt, self.width], "tail": self.tail,
+            "recorded": self.recorded, "prompts": slots}
+
+  def load_json(self, data: dict | None) -> None:
+    """Restore `to_json`'s output (None: nothing saved; the store stays as it is)."""
+    if data is None:
+      return
+    shape = [self.max_prompts, self.per_prompt, self.width]
+    if list(data["shape"]) != shape or data["tail"] != self.tail:
+      raise ValueError(f"HistoryStore: the saved history has shape {data['shape']} and tail "
+                       f"{data['tail']}, this run's {shape} and {self.tail} (DraftConfig."
+                       f"history_prompts, history_per_prompt, history_tokens, ngram_max)")
+    self._clear()
+    for p in data["prompts"]:
+      slot = int(p["slot"])
+      self._slots[(int(p["key"]), int(p["prompt_length"]))] = slot
+      self._keys[slot], self._plens[slot] = int(p["key"]), int(p["prompt_length"])
+      self._next[slot] = int(p["next"])
+      for e, entry in enumerate(p["entries"]):
+        self._tokens[slot, e, :len(entry)] = entry
+        self._lengths[slot, e] = len(entry)
+    self.recorded = int(data["recorded"])
+
+
+def history_lookup(seq: Sequences, hist: jax.Array, hist_len: jax.Array, draft_len: int, n: int,
+                   min_n: int, tail: int) -> tuple[jax.Array, jax.Array]:
+  """(int32[B, K] drafts, int32[B] match length, 0 where none): the continuation of the row's
+  last n' tokens (n' = n down to min_n, longest first) in its history entries hist [B, H, W].
+  Among occurrences: nearest to the row's own position (an entry is aligned with the row: both
+  start `tail` tokens before the completion), then the longest continuation, then the latest
+  entry. A continuation is clamped at its entry's last token."""
+  tokens, lengths = seq.tokens, seq.lengths
+  batch = tokens.shape[0]
+  _, h, w = hist.shape
+  k = draft_len
+  drafts = jnp.zeros((batch, k), jnp.int32)
+  matched = jnp.zeros((batch,), jnp.int32)
+  t = jnp.arange(w)[None, None, :]
+  entry = jnp.arange(h)[None, :, None]
+  i = jnp.arange(k)[None, :]
+  for m in range(min_n, n + 1):
+    idx = jnp.maximum(lengths[:, None] - m + jnp.arange(m)[None, :], 0)
+    suffix = jnp.take_along_axis(tokens, idx, axis=1)
+    match = _windows_match(hist, hist_len, suffix) & (lengths >= m)[:, None, None]
+    aligned = (tail + lengths - seq.prompt_lengths - m)[:, None, None]
+    avail = jnp.minimum(k, hist_len[..., None] - t - m)
+    score = jnp.where(match, -jnp.abs(t - aligned) * ((k + 1) * h) + avail * h + entry, -2**30)
+    flat = jnp.argmax(score.reshape(batch, -1), axis=1)
+    found = jnp.any(match.reshape(batch, -1), axis=1)
+    e, start = flat // w, flat % w
+    e_len = jnp.take_along_axis(hist_len, e[:, None], axis=1)
+    pos = jnp.minimum(start[:, None] + m + i, e_len - 1)
+    cont = hist[jnp.arange(batch)[:, None], e[:, None], pos]
+    drafts = jnp.where(found[:, None], cont, drafts)
+    matched = jnp.where(found, m, matched)
+  return drafts, matched
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HistoryDrafter(Drafter):
+  """Drafts from the row's prompt's earlier completions (`HistoryParams.table`), where its last
+  `min_match`+ tokens occur there; elsewhere from `inner` (None: n-gram lookup in the row's own
+  context, `n` down to `min_n` tokens). Params: `HistoryParams(table, inner params)`."""
+
+  n: int = 3
+  min_n: int = 1
+  min_match: int = 1  # history drafts need a match of at least this many tokens
+  inner: Drafter | None = None
+
+  def __post_init__(self):
+    name = type(self).__name__
+    check(self.draft_len >= 1, f"{name}.draft_len", f"must be >= 1, got {self.draft_len}")
+    check(1 <= self.min_n <= self.n, f"{name}.min_n",
+          f"must be in [1, n={self.n}], got {self.min_n}")
+    check(self.min_n <= self.min_match <= self.n, f"{name}.min_match",
+          f"must be in [min_n={self.min_n}, n={self.n}], got {self.min_match}")
+
+  def _inner(self) -> Drafter | None:
+    if self.inner is None:
+      return None  # the engine sets K and the temperature on this drafter: the inner one follows
+    return dataclasses.replace(self.inner, draft_len=self.draft_len, temperature=self.temperature)
+
+  @property
+  def stateful(self) -> bool:
+    return self.inner is not None and self.inner.stateful
+
+  @property
+  def row_local(self) -> bool:
+    return self.inner is None or self.inner.row_local
+
+  def init(self, params: HistoryParams, batch: int, cache_size: int) -> HistoryState:
+    _, h, w = params.table.tokens.shape
+    inner = self._inner()
+    return HistoryState(tokens=jnp.zeros((batch, h, w), jnp.int32),
+                        lengths=jnp.zeros((batch, h), jnp.int32),
+                        inner=() if inner is None else inner.init(params.inner, batch, cache_size))
+
+  def observe(self, params: HistoryParams, state: HistoryState, step: TargetStep) -> HistoryState:
+    inner = self._inner()
+    if inner is not None:
+      state = state.replace(inner=inner.observe(params.inner, state.inner, step))
+    if step.out.logits is not None:  # a decode or verify step: the entries stay
+      return state
+    # the prefill (prompt logits are not computed): load each row's prompt's entries
+    table = params.table
+    keys = prompt_keys(step.input_tokens, step.num_new)
+    hit = (table.keys[None, :] == keys[:, None]) & (table.prompt_lengths[None, :] ==
+                                                   step.num_new[:, None])
+    slot = jnp.argmax(hit, axis=1)
+    found = jnp.any(hit, axis=1)
+    return state.replace(tokens=jnp.take(table.tokens, slot, axis=0),
+                         lengths=jnp.where(found[:, None], jnp.take(table.lengths, slot, axis=0),
+                                           0))
+
+  def propose(self, params: HistoryParams, state: HistoryState, seq: Sequences, key: jax.Array):
+    hist, matched = history_lookup(seq, state.tokens, state.lengths, self.draft_len, self.n,
+                                   self.min_n, params.table.tail)
+    use = matched >= self.min_match
+    inner = self._inner()
+    if inner is None:
+      other, probs, inner_state = lookup(seq, self.draft_len, self.n, self.min_n, 1), None, ()
+    else:
+      other, probs, inner_state = inner.propose(params.inner, state.inner, seq, key)
+    drafts = jnp.where(use[:, None], hist, other)
+    if probs is not None:  # a history draft is deterministic: its draft distribution is one-hot
+      one_hot = jax.nn.one_hot(hist, probs.shape[-1], dtype=probs.dtype)
+      probs = jnp.where(use[:, None, None], one_hot, probs)
+    return drafts, probs, state.replace(inner=inner_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class HistoryMethod(DraftMethodBase):
+  """`history`: drafts from each prompt's earlier completions (`HistoryStore`, kept by the RL
+  sampler), n-gram lookup in the row itself where the history has nothing; nothing to train."""
+
+  name: ClassVar[str] = "history"
+
+  def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
+    d = draft_cfg
+    return HistoryDrafter(draft_len=d.draft_len, n=d.ngram_max, min_n=d.ngram_min,
+                          min_match=max(d.ngram_min, min(d.history_min_match, d.ngram_max))), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3HistoryMethod(DraftMethodBase):
+  """`eagle3-history`: the history drafter where the prompt's earlier completions match the row,
+  the EAGLE-3 head (trained as `eagle3` trains it) everywhere else."""
+
+  name: ClassVar[str] = "eagle3-history"
+
+  @property
+  def _eagle3(self):
+    return get_method("eagle3")
+
+  def init(self, draft_cfg, *, policy_cfg, policy_params, draft, draft_maps, seed):
+    return self._eagle3.init(draft_cfg, policy_cfg=policy_cfg, policy_params=policy_params,
+                             draft=draft, draft_maps=draft_maps, seed=seed)
+
+  def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
+    head, fixed = self._eagle3.build_drafter(draft_cfg, policy_graphdef=policy_graphdef,
+                                             policy_cfg=policy_cfg, draft=draft,
+                                             group_size=group_size)
+    d = draft_cfg
+    return HistoryDrafter(draft_len=d.draft_len, vocab_size=head.vocab_size, n=d.ngram_max,
+                          min_n=d.ngram_min,
+                          min_match=max(d.ngram_min, min(d.history_min_match, d.ngram_max)),
+                          inner=head), fixed
+
+  def train_graphdef(self, drafter):
+    return self._eagle3.train_graphdef(drafter.inner)
+
+  def sampler_params(self, params, policy, draft_aux, fixed):
+    return self._eagle3.sampler_params(params, policy, draft_aux, fixed)
+
+  @property
+  def online_loss(self):
+    return self._eagle3.online_loss
+
+  def policy_overrides(self, draft_cfg, policy_dir):
+    return self._eagle3.policy_overrides(draft_cfg, policy_dir)
+
+  def offline_draft(self, draft_cfg, policy, env):
+    return self._eagle3.offline_draft(draft_cfg, policy, env)
+
+  def save_draft(self, path, *, params, draft_aux, draft):
+    return self._eagle3.save_draft(path, params=params, draft_aux=draft_aux, draft=draft)
+
+
+register_method(HistoryMethod())
+register_method(Eagle3HistoryMethod())

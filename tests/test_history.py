@@ -1,0 +1,209 @@
+"""History drafting: each prompt's earlier completions as the drafter's corpus. The store keeps
+its caps; the device finds a row's entries by the prompt's hash; drafts continue the aligned
+occurrence; the speculative loop keeps the target's output (greedy: token for token, through the
+queue and compaction; temperature 1: in distribution, with a stale history and an inner drafter
+whose own drafts carry probabilities)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import stats
+from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
+                              history_lookup, prompt_key, prompt_keys, truncated_copy)
+from specjax.models import Decoder, ModelConfig
+from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, Sequences, generate,
+                              speculative_generate)
+from specjax.sampling.metrics import AcceptanceMetrics
+
+CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
+                  head_dim=16, mlp_hidden=64, init_std=0.5)
+_rng = np.random.default_rng(11)
+PROMPTS = jnp.asarray(_rng.integers(3, 32, (12, 6)), jnp.int32)
+PROMPT_LENGTHS = jnp.asarray(_rng.integers(2, 7, 12), jnp.int32)
+GREEDY = SamplingConfig(max_new_tokens=20, temperature=0.0, eos_ids=(1, 2))
+
+
+def test_the_prompt_hash_is_the_same_on_the_host_and_the_device():
+  rng = np.random.default_rng(0)
+  tokens = rng.integers(0, 50_000, (64, 40)).astype(np.int32)
+  lengths = rng.integers(1, 41, 64).astype(np.int32)
+  device = np.asarray(jax.jit(prompt_keys)(jnp.asarray(tokens), jnp.asarray(lengths)))
+  host = [prompt_key(t[:n]) for t, n in zip(tokens, lengths)]
+  assert device.tolist() == host
+  assert len(set(host)) == 64
+  # what lies beyond a prompt's length does not change its key; a token or the length does
+  garbage = tokens.copy()
+  garbage[0, lengths[0]:] = 7
+  assert prompt_key(garbage[0, :lengths[0]]) == host[0]
+  assert prompt_key([1, 2, 3]) != prompt_key([1, 2, 4]) != prompt_key([1, 2])
+  assert prompt_key([0]) != prompt_key([0, 0])
+
+
+def test_the_store_keeps_each_prompts_latest_completions_within_its_caps():
+  store = HistoryStore(max_prompts=3, per_prompt=2, width=6, tail=2)
+  nbytes = store.nbytes
+  prompts = np.array([[5, 6, 7], [8, 9, 0], [10, 11, 12], [13, 14, 0]])
+  plens = np.array([3, 2, 3, 2])
+  # round r: completions 20 + r, r + 1 tokens long; round 0 records all four prompts (the fourth
+  # evicts the first), rounds 1 and 2 the last three
+  for round_ in range(3):
+    rows = slice(0 if round_ == 0 else 1, 4)
+    comp = np.full((4, 8), 20 + round_)[rows]
+    store.record(prompts[rows], plens[rows], comp, np.full((4,), round_ + 1)[rows])
+  assert store.prompts == 3 and store.recorded == 10 and store.nbytes == nbytes
+  table = store.table()
+  assert table.tokens.shape == (3, 2, 6)
+  held = {(int(k), int(n)) for k, n in zip(table.keys, table.prompt_lengths)}
+  want = {(prompt_key(p[:n]), int(n)) for p, n in zip(prompts[1:], plens[1:])}
+  assert held == want  # prompt 0 was the least recently recorded: evicted
+  slot = [i for i in range(3) if int(table.keys[i]) == prompt_key([13, 14])][0]
+  entries = sorted(np.asarray(table.tokens[slot, e, :table.lengths[slot, e]]).tolist()
+                   for e in range(2))
+  assert entries == [[13, 14, 21, 21], [13, 14, 22, 22, 22]]  # rounds 1 and 2; round 0 gone
+  # an entry is cut at the width
+  store.record(prompts[:1], plens[:1], np.arange(30, 38)[None], np.array([8]))
+  t = store.table()
+  slot = [i for i in range(3) if int(t.keys[i]) == prompt_key([5, 6, 7])][0]
+  assert np.asarray(t.tokens[slot, 0]).tolist() == [6, 7, 30, 31, 32, 33]
+  # a JSON round trip restores everything; a store of another shape refuses it
+  again = HistoryStore(max_prompts=3, per_prompt=2, width=6, tail=2)
+  again.load_json(store.to_json())
+  for a, b in zip(jax.tree.leaves(again.table()), jax.tree.leaves(store.table())):
+    np.testing.assert_array_equal(a, b)
+  assert again.to_json() == store.to_json()
+  with pytest.raises(ValueError, match="history_per_prompt"):
+    HistoryStore(max_prompts=3, per_prompt=3, width=6, tail=2).load_json(store.to_json())
+  with pytest.raises(ValueError, match="HistoryStore.width"):
+    HistoryStore(max_prompts=3, per_prompt=2, width=2, tail=2)
+
+
+def test_history_lookup_continues_the_occurrence_aligned_with_the_row():
+  # entry: the prompt's last 2 tokens, then 4 9 5 4 9 6 7; the row (prompt 8 3, completion 4 9)
+  # ends in "4 9", which occurs at entry positions 2 and 5: the aligned one (2) continues 5 4 9
+  hist = jnp.asarray([[[8, 3, 4, 9, 5, 4, 9, 6, 7, 0], [0] * 10]], jnp.int32)
+  hist_len = jnp.asarray([[9, 0]], jnp.int32)
+  seq = Sequences(tokens=jnp.asarray([[8, 3, 4, 9, 0, 0]], jnp.int32),
+                  lengths=jnp.asarray([4], jnp.int32), prompt_lengths=jnp.asarray([2], jnp.int32))
+  drafts, matched = history_lookup(seq, hist, hist_len, 3, 2, 1, 2)
+  assert drafts.tolist() == [[5, 4, 9]] and matched.tolist() == [2]
+  # four completion tokens later (4 9 5 4 9) the aligned occurrence is the second one, and its
+  # continuation is clamped at the entry's last token
+  seq = seq.replace(tokens=jnp.asarray([[8, 3, 4, 9, 5, 4, 9, 0]], jnp.int32),
+                    lengths=jnp.asarray([7], jnp.int32))
+  drafts, matched = history_lookup(seq, hist, hist_len, 3, 2, 1, 2)
+  assert drafts.tolist() == [[6, 7, 7]] and matched.tolist() == [2]
+  # no occurrence: nothing matched
+  seq = seq.replace(tokens=jnp.asarray([[8, 3, 11, 12, 0, 0, 0, 0]], jnp.int32),
+                    lengths=jnp.asarray([4], jnp.int32))
+  assert history_lookup(seq, hist, hist_len, 3, 2, 1, 2)[1].tolist() == [0]
+
+
+@pytest.fixture(scope="module")
+def target():
+  return Decoder(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def ar_greedy(target):
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
+  assert len(set(np.asarray(out.lengths).tolist())) > 3  # ragged: rows end at different steps
+  return out
+
+
+def filled_store(rollout, n=3, width=32):
+  store = HistoryStore(max_prompts=16, per_prompt=2, width=width, tail=n)
+  store.record(*jax.device_get((PROMPTS, PROMPT_LENGTHS, rollout.tokens, rollout.lengths)))
+  return store
+
+
+def acceptance(out) -> float:
+  return AcceptanceMetrics.from_counts(out.stats).acceptance_rate
+
+
+@pytest.mark.parametrize("engine", ["static", "queue"])
+def test_greedy_history_drafts_keep_the_output_and_are_accepted_once_the_store_holds_it(
+    target, ar_greedy, engine):
+  """`queue`: 4 slots with compaction: rows prefilled into freed slots load their own entries."""
+  eng = STATIC if engine == "static" else EngineConfig(max_rows=4, refill_fraction=0.25,
+                                                       adaptive=False)
+  drafter = HistoryDrafter(draft_len=3, n=3, min_n=1, min_match=2)
+  rates = {}
+  for name, store in (("empty", HistoryStore(16, 2, 32, 3)), ("filled", filled_store(ar_greedy))):
+    out = speculative_generate(target, drafter, HistoryParams(table=store.table()), PROMPTS,
+                               PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=eng)
+    for field in ("tokens", "lengths", "eos", "sequences"):
+      np.testing.assert_array_equal(getattr(out, field), getattr(ar_greedy, field), err_msg=field)
+    rates[name] = acceptance(out)
+  # the store holds this very output: (nearly) every history draft is right
+  assert rates["filled"] > 0.9 and rates["filled"] > rates["empty"] + 0.2, rates
+
+
+def test_an_inner_drafter_drafts_where_the_history_has_nothing(target, ar_greedy):
+  inner, inner_params = DraftModelDrafter.from_model(target, 3)  # the target itself: all right
+  drafter = HistoryDrafter(draft_len=3, n=3, min_match=3, inner=inner)
+  assert drafter.stateful and drafter.row_local
+  # the history holds other prompts' completions only: the inner drafter drafts every row
+  other = HistoryStore(max_prompts=16, per_prompt=2, width=32, tail=3)
+  other.record(np.asarray(PROMPTS) + 1, np.asarray(PROMPT_LENGTHS), np.asarray(ar_greedy.tokens),
+               np.asarray(ar_greedy.lengths))
+  out = speculative_generate(target, drafter, HistoryParams(table=other.table(),
+                                                            inner=inner_params),
+                             PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=STATIC)
+  np.testing.assert_array_equal(out.tokens, ar_greedy.tokens)
+  assert acceptance(out) > 0.99
+
+
+# -- temperature 1 ------------------------------------------------------------------------------
+
+ROWS = 2048
+SAMPLE = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_ids=(5,))
+POSITIONS = (0, 1, 2, 3)
+ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test
+
+
+def stat_prompts():
+  """Two ragged prompts alternating over the rows."""
+  a = jnp.array([3, 7, 3, 7, 3, 7, 3, 7])
+  b = jnp.array([9, 4, 11, 9, 4, 0, 0, 0])
+  prompts = jnp.where((jnp.arange(ROWS) % 2 == 0)[:, None], a, b).astype(jnp.int32)
+  return prompts, jnp.where(jnp.arange(ROWS) % 2 == 0, 8, 5).astype(jnp.int32)
+
+
+def categories(out) -> np.ndarray:
+  """int[B, N]: (prompt kind, token) per position; finished positions are token V (end)."""
+  v = CFG.vocab_size
+  tok = np.where(np.asarray(out.mask), np.asarray(out.tokens), v)
+  return tok + (v + 1) * (np.arange(ROWS) % 2)[:, None]
+
+
+def test_temperature_one_hybrid_drafts_keep_the_targets_distribution(target):
+  """History entries from an earlier sampled rollout (right about a quarter of the time) and a
+  one-layer draft model whose drafts carry their probabilities: the verifier sees one-hot
+  distributions for history drafts and the model's for its own, row by row."""
+  prompts, lengths = stat_prompts()
+  plain = generate(target, prompts, lengths, jax.random.key(10), SAMPLE, engine=STATIC)
+  earlier = generate(target, prompts[:64], lengths[:64], jax.random.key(11), SAMPLE,
+                     engine=STATIC)
+  store = HistoryStore(max_prompts=4, per_prompt=4, width=12, tail=2)
+  store.record(*jax.device_get((prompts[:64], lengths[:64], earlier.tokens, earlier.lengths)))
+  assert store.prompts == 2
+  inner, inner_params = DraftModelDrafter.from_model(truncated_copy(target, 1), 3)
+  drafter = HistoryDrafter(draft_len=3, n=2, min_match=1, inner=inner)
+  out = speculative_generate(target, drafter, HistoryParams(table=store.table(),
+                                                            inner=inner_params),
+                             prompts, lengths, jax.random.key(20), SAMPLE,
+                             engine=dataclasses.replace(STATIC, adaptive=False))
+  assert AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens > ROWS // 4
+  a, b = categories(plain), categories(out)
+  num_cats = 2 * (CFG.vocab_size + 1)
+  alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
+  for j in POSITIONS:
+    stats.assert_two_sample_same(a[:, j], b[:, j], num_cats, alpha, what=f"position {j}")
+  stats.assert_two_sample_same(stats.pair_index(a[:, 1], a[:, 2], num_cats),
+                               stats.pair_index(b[:, 1], b[:, 2], num_cats), num_cats ** 2,
+                               alpha, what="positions (1, 2)")
