@@ -156,6 +156,13 @@ def test_an_inner_drafter_drafts_where_the_history_has_nothing(target, ar_greedy
                              PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=STATIC)
   np.testing.assert_array_equal(out.tokens, ar_greedy.tokens)
   assert acceptance(out) > 0.99
+  # the history holds this output: history drafts, and on steps where every row has one the
+  # inner drafter does not run (its state stays as observed); the output is the same
+  out = speculative_generate(target, drafter, HistoryParams(table=filled_store(ar_greedy).table(),
+                                                            inner=inner_params),
+                             PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=STATIC)
+  np.testing.assert_array_equal(out.tokens, ar_greedy.tokens)
+  assert acceptance(out) > 0.9
 
 
 # -- temperature 1 ------------------------------------------------------------------------------

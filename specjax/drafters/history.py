@@ -277,7 +277,14 @@ class HistoryDrafter(Drafter):
     if inner is None:
       other, probs, inner_state = lookup(seq, self.draft_len, self.n, self.min_n, 1), None, ()
     else:
-      other, probs, inner_state = inner.propose(params.inner, state.inner, seq, key)
+      run_inner = lambda: inner.propose(params.inner, state.inner, seq, key)
+      # every row drafts from its history: the inner drafter is not run (a head's K chained
+      # forwards saved). Its state stays as observed: a stateful drafter keeps it current through
+      # `observe` alone, as over the engine's plain AR steps; a stateless one has none to keep.
+      shapes = jax.eval_shape(run_inner)
+      skip = lambda: (hist, jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes[1]),
+                      state.inner)
+      other, probs, inner_state = jax.lax.cond(jnp.all(use), skip, run_inner)
     drafts = jnp.where(use[:, None], hist, other)
     if probs is not None:  # a history draft is deterministic: its draft distribution is one-hot
       one_hot = jax.nn.one_hot(hist, probs.shape[-1], dtype=probs.dtype)
