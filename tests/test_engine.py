@@ -271,6 +271,26 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
   assert len(paths) > 1, paths  # the rollouts did take different paths
 
 
+def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target):
+  """Adaptive K with `compile_ahead`: the first rollout compiles each bucket's segment at every
+  K in 0..max (the timed ones and those between), so a later rollout that picks another K
+  compiles nothing."""
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  jax.clear_caches()
+  tuning = EngineTuning()
+  engine = EngineConfig(compile_ahead=True)
+  run = lambda i: speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), PROMPTS,
+                                       PROMPT_LENGTHS, jax.random.key(i), sampled,
+                                       engine=engine, tuning=tuning)
+  out = run(0)
+  buckets = {s.bucket for s in out.segments}
+  assert eng._segment_jit._cache_size() >= len(buckets) * 4  # K = 0, 1, 2, 3 per bucket
+  before = eng.compiled_programs()
+  for i in range(1, 4):
+    jax.block_until_ready(run(i).tokens)
+  assert eng.compiled_programs() == before
+
+
 def test_by_default_a_bucket_compiles_when_a_rollout_first_reaches_it(target):
   """Without `compile_ahead` the first rollout compiles the segment programs of the buckets it
   runs and no other (AR: one K per bucket); a later rollout compiles only the buckets it reaches

@@ -187,21 +187,25 @@ class _Run:
 
   def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
     """Compile the programs of `buckets` (the first is `state`'s own bucket; the others' states
-    are its first rows) on throwaway runs: each bucket's segment at every timed K (`timed_ks`),
+    are its first rows) on throwaway runs: each bucket's segment at every timed K (`timed_ks`;
+    ahead: at every K),
     and for the smaller buckets compaction's gather, summary and write-back. The programs compile
     `compile_threads` at a time (XLA compiles one program on one core); then (adaptive) each
     smaller bucket's timed K are calibrated, one at a time (the first bucket's are timed when the
     policy first asks for them). Programs already compiled, and costs already measured, are
     reused; `queue_jobs` compile the queue's admission programs alongside.
 
-    `EngineConfig.compile_ahead` (True) prepares every bucket before the first segment, so a
-    later rollout compiles nothing whichever buckets it passes through; the default prepares a
+    `EngineConfig.compile_ahead` (True) prepares every bucket at every K before the first
+    segment, so a later rollout compiles nothing whichever buckets and K it runs; the default
+    prepares a
     bucket when a rollout first reaches it, so the first rollout compiles only what it runs."""
     if not self.costs.first_preparation((self.program_id, self.engine, tuple(buckets),
                                          len(queue_jobs))):
       return
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
-    ks = self.timed_ks
+    # ahead: every K a segment may choose (those between the timed ones would compile in a later
+    # step); else the timed K only
+    ks = self.policy.k_choices if self.engine.compile_ahead else self.timed_ks
     # what compaction to bucket b runs: gather from the full batch, summary, write-back
     subs = {buckets[0]: state}
     for b in buckets[1:]:
@@ -223,7 +227,7 @@ class _Run:
                                            self.cache_size)) for b in buckets for k in ks)
     if self.adaptive:
       for b in buckets[1:]:
-        for k in ks:
+        for k in self.timed_ks:
           self.cost(subs[b], b, k, prompt_len)
 
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:

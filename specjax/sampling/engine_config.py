@@ -43,8 +43,9 @@ class EngineConfig:
   # largest; a K in between costs the line through them until a segment runs it (then it
   # compiles, outside the timing, and its own segments refine its cost). True: all of them
   calibrate_every_k: bool = False
-  # True: compile (and time) every bucket's programs before the first segment, so a later
-  # rollout compiles nothing whichever buckets its rows pass through; False: a bucket's programs
+  # True: compile every bucket's programs at every K (and time the timed K) before the first
+  # segment, so a later rollout compiles nothing whichever buckets and K it runs; False: a
+  # bucket's programs
   # compile when a rollout first reaches it, so the first rollout compiles only the buckets it
   # runs (a later rollout that reaches a new bucket compiles it then)
   compile_ahead: bool = False
