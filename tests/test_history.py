@@ -2,7 +2,7 @@
 its caps; the device finds a row's entries by the prompt's hash; drafts continue the aligned
 occurrence; the speculative loop keeps the target's output (greedy: token for token, through the
 queue and compaction; temperature 1: in distribution, with a stale history and an inner drafter
-whose own drafts carry probabilities)."""
+whose own drafts carry probabilities; the queue tests' target, prompts and two-sample checks)."""
 
 import dataclasses
 
@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import stats
+from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
 from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
                               history_lookup, prompt_key, prompt_keys, truncated_copy)
-from specjax.models import Decoder, ModelConfig
+from specjax.models import Decoder
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, Sequences, generate,
                               speculative_generate)
 from specjax.sampling.metrics import AcceptanceMetrics
 
-CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
-                  head_dim=16, mlp_hidden=64, init_std=0.5)
 _rng = np.random.default_rng(11)
 PROMPTS = jnp.asarray(_rng.integers(3, 32, (12, 6)), jnp.int32)
 PROMPT_LENGTHS = jnp.asarray(_rng.integers(2, 7, 12), jnp.int32)
@@ -167,26 +165,6 @@ def test_an_inner_drafter_drafts_where_the_history_has_nothing(target, ar_greedy
 
 # -- temperature 1 ------------------------------------------------------------------------------
 
-ROWS = 2048
-SAMPLE = SamplingConfig(max_new_tokens=6, temperature=1.0, eos_ids=(5,))
-POSITIONS = (0, 1, 2, 3)
-ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test
-
-
-def stat_prompts():
-  """Two ragged prompts alternating over the rows."""
-  a = jnp.array([3, 7, 3, 7, 3, 7, 3, 7])
-  b = jnp.array([9, 4, 11, 9, 4, 0, 0, 0])
-  prompts = jnp.where((jnp.arange(ROWS) % 2 == 0)[:, None], a, b).astype(jnp.int32)
-  return prompts, jnp.where(jnp.arange(ROWS) % 2 == 0, 8, 5).astype(jnp.int32)
-
-
-def categories(out) -> np.ndarray:
-  """int[B, N]: (prompt kind, token) per position; finished positions are token V (end)."""
-  v = CFG.vocab_size
-  tok = np.where(np.asarray(out.mask), np.asarray(out.tokens), v)
-  return tok + (v + 1) * (np.arange(ROWS) % 2)[:, None]
-
 
 def test_temperature_one_hybrid_drafts_keep_the_targets_distribution(target):
   """History entries from an earlier sampled rollout (right about a quarter of the time) and a
@@ -206,11 +184,4 @@ def test_temperature_one_hybrid_drafts_keep_the_targets_distribution(target):
                              prompts, lengths, jax.random.key(20), SAMPLE,
                              engine=dataclasses.replace(STATIC, adaptive=False))
   assert AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens > ROWS // 4
-  a, b = categories(plain), categories(out)
-  num_cats = 2 * (CFG.vocab_size + 1)
-  alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
-  for j in POSITIONS:
-    stats.assert_two_sample_same(a[:, j], b[:, j], num_cats, alpha, what=f"position {j}")
-  stats.assert_two_sample_same(stats.pair_index(a[:, 1], a[:, 2], num_cats),
-                               stats.pair_index(b[:, 1], b[:, 2], num_cats), num_cats ** 2,
-                               alpha, what="positions (1, 2)")
+  assert_same_distribution(plain, out, "hybrid")

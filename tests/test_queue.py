@@ -197,11 +197,17 @@ def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, pl
   if kind == "paged":
     assert sum(s.waiting_for_pages for s in out.segments) > 0
   assert len(out.segments) > ROWS // 256  # the queue refilled
-  a, b = categories(plain_samples), categories(out)
+  assert_same_distribution(plain_samples, out, kind)
+
+
+def assert_same_distribution(plain, out, what: str) -> None:
+  """Two rollouts of `stat_prompts` agree in distribution: each of POSITIONS and the pair of
+  positions (1, 2), per prompt, two-sample chi-square tests at family-wise level ALPHA."""
+  a, b = categories(plain), categories(out)
   num_cats = 2 * (CFG.vocab_size + 1)
   alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
   for j in POSITIONS:
-    stats.assert_two_sample_same(a[:, j], b[:, j], num_cats, alpha, what=f"{kind} position {j}")
+    stats.assert_two_sample_same(a[:, j], b[:, j], num_cats, alpha, what=f"{what} position {j}")
   stats.assert_two_sample_same(stats.pair_index(a[:, 1], a[:, 2], num_cats),
                                stats.pair_index(b[:, 1], b[:, 2], num_cats), num_cats ** 2,
-                               alpha, what=f"{kind} positions (1, 2)")
+                               alpha, what=f"{what} positions (1, 2)")

@@ -123,17 +123,21 @@ def test_a_train_batch_cut_to_its_longest_row_trains_exactly_like_the_full_width
   assert "warm" not in full["phases"]["phases"] and "warm" not in packed["phases"]["phases"]
 
 
+def interrupt_at(step: int):
+  """A hook that interrupts the run (as Ctrl-C would) once `step` is done."""
+  def hook(done, metrics):
+    if done == step:
+      raise KeyboardInterrupt
+  return hook
+
+
 def test_resume_after_an_interruption_matches_an_uninterrupted_run(base_model, tmp_path):
   cfg = CFG.replace(checkpoint=CheckpointConfig(save_on_exit=True, resume=True))
   full = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "full"), stop_after=4,
                 verbose=False)
 
-  def interrupt(step, metrics):
-    if step == 2:
-      raise KeyboardInterrupt
-
   with pytest.raises(KeyboardInterrupt):
-    run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), hooks=[interrupt],
+    run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), hooks=[interrupt_at(2)],
            verbose=False)
   assert sorted(os.listdir(tmp_path / "split" / "checkpoints")) == ["2"]
   resumed = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), stop_after=2,
@@ -172,12 +176,8 @@ def test_history_drafts_from_a_revisited_prompt_pool_and_resumes_exactly(base_mo
   assert all(r["spec/acceptance_length"] > first["spec/acceptance_length"] + 0.2 for r in later), \
       [r["spec/acceptance_length"] for r in records]
 
-  def interrupt(step, metrics):
-    if step == 2:
-      raise KeyboardInterrupt
-
   with pytest.raises(KeyboardInterrupt):
-    run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), hooks=[interrupt],
+    run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), hooks=[interrupt_at(2)],
            verbose=False)
   resumed = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "split"), verbose=False)
   assert resumed["start_step"] == 2

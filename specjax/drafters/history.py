@@ -184,8 +184,8 @@ def history_lookup(seq: Sequences, hist: jax.Array, hist_len: jax.Array, draft_l
   """(int32[B, K] drafts, int32[B] match length, 0 where none): the continuation of the row's
   last n' tokens (n' = n down to min_n, longest first) in its history entries hist [B, H, W].
   Among occurrences: nearest to the row's own position (an entry is aligned with the row: both
-  start `tail` tokens before the completion), then the longest continuation, then the latest
-  entry. A continuation is clamped at its entry's last token."""
+  start `tail` tokens before the completion), then the longest continuation, then the entry of
+  highest index. A continuation is clamped at its entry's last token."""
   tokens, lengths = seq.tokens, seq.lengths
   batch = tokens.shape[0]
   _, h, w = hist.shape

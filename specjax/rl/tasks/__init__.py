@@ -48,6 +48,8 @@ class Task:
     """The RL run's prompts at data positions position .. position + n - 1: the stream's, or
     with TaskConfig.pool_size P, a pool of its examples 0 .. P - 1 visited epoch after epoch
     (epoch e = positions e P .. e P + P - 1, in an order drawn from the task seed and e)."""
+    if not self.cfg.pool_size:
+      return self.examples(position, n)  # (a task that overrides `examples` keeps its stream)
     return [self.example(self.pool_index(position + i)) for i in range(n)]
 
   def pool_index(self, position: int) -> int:
