@@ -29,6 +29,8 @@ TINY = ["--rl.steps", "2", "--rl.prompts-per-step", "2", "--rl.grpo.group-size",
 
 KINDS = {
     "eagle3": ["--rl.draft.path", HEAD, "--rl.draft.online", "--rl.draft.ttt-steps", "1"],
+    "eagle3-history": ["--rl.draft.path", HEAD, "--rl.draft.online", "--rl.draft.ttt-steps", "1"],
+    "history": ["--rl.draft.no-online"],
     "draft-model": ["--rl.draft.no-online"],
     "mtp": ["--rl.draft.online"],
     "ngram": ["--rl.draft.no-online"],
@@ -72,8 +74,9 @@ def test_rl_zero_runs_each_draft_kind_on_a_hf_checkpoint_and_exports_the_final_p
     assert checkpoint_has_mtp(str(out), reloaded.cfg)
     np.testing.assert_array_equal(np.asarray(reloaded.mtp.proj[...]),
                                   np.asarray(final.mtp.proj[...]))
-  if kind == "eagle3":  # the RL-adapted head, in the community format, beside the policy
-    head, maps = load_draft_head(str(out / "eagle3"), reloaded.cfg)
+  if kind in ("eagle3", "eagle3-history"):  # the RL-adapted head, in the community format,
+    # beside the policy under the method's name
+    head, maps = load_draft_head(str(out / kind), reloaded.cfg)
     assert maps.draft_vocab == 48
     assert os.path.isfile(tmp_path / "runs" / "rl_zero" / "spec" / "draft_hf" / "config.json")
   else:

@@ -26,7 +26,8 @@ import numpy as np
 from flax import struct
 
 from specjax.config_tree import check
-from specjax.drafters.methods import DraftMethodBase, get_method, register_method
+from specjax.drafters.eagle3 import Eagle3Method
+from specjax.drafters.methods import DraftMethodBase, register_method
 from specjax.drafters.ngram import _windows_match, lookup
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 
@@ -292,6 +293,15 @@ class HistoryDrafter(Drafter):
     return drafts, probs, state.replace(inner=inner_state)
 
 
+def history_drafter(draft_cfg, **kwargs) -> HistoryDrafter:
+  """The history drafter of an RL `DraftConfig` (K, n-gram range, history_min_match capped to
+  it)."""
+  d = draft_cfg
+  return HistoryDrafter(draft_len=d.draft_len, n=d.ngram_max, min_n=d.ngram_min,
+                        min_match=max(d.ngram_min, min(d.history_min_match, d.ngram_max)),
+                        **kwargs)
+
+
 @dataclasses.dataclass(frozen=True)
 class HistoryMethod(DraftMethodBase):
   """`history`: drafts from each prompt's earlier completions (`HistoryStore`, kept by the RL
@@ -300,54 +310,24 @@ class HistoryMethod(DraftMethodBase):
   name: ClassVar[str] = "history"
 
   def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
-    d = draft_cfg
-    return HistoryDrafter(draft_len=d.draft_len, n=d.ngram_max, min_n=d.ngram_min,
-                          min_match=max(d.ngram_min, min(d.history_min_match, d.ngram_max))), None
+    return history_drafter(draft_cfg), None
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3HistoryMethod(DraftMethodBase):
+class Eagle3HistoryMethod(Eagle3Method):
   """`eagle3-history`: the history drafter where the prompt's earlier completions match the row,
-  the EAGLE-3 head (trained as `eagle3` trains it) everywhere else."""
+  the EAGLE-3 head everywhere else (trained, adapted online and saved as `eagle3`'s)."""
 
   name: ClassVar[str] = "eagle3-history"
 
-  @property
-  def _eagle3(self):
-    return get_method("eagle3")
-
-  def init(self, draft_cfg, *, policy_cfg, policy_params, draft, draft_maps, seed):
-    return self._eagle3.init(draft_cfg, policy_cfg=policy_cfg, policy_params=policy_params,
-                             draft=draft, draft_maps=draft_maps, seed=seed)
-
   def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
-    head, fixed = self._eagle3.build_drafter(draft_cfg, policy_graphdef=policy_graphdef,
-                                             policy_cfg=policy_cfg, draft=draft,
-                                             group_size=group_size)
-    d = draft_cfg
-    return HistoryDrafter(draft_len=d.draft_len, vocab_size=head.vocab_size, n=d.ngram_max,
-                          min_n=d.ngram_min,
-                          min_match=max(d.ngram_min, min(d.history_min_match, d.ngram_max)),
-                          inner=head), fixed
+    head, fixed = super().build_drafter(draft_cfg, policy_graphdef=policy_graphdef,
+                                        policy_cfg=policy_cfg, draft=draft,
+                                        group_size=group_size)
+    return history_drafter(draft_cfg, vocab_size=head.vocab_size, inner=head), fixed
 
   def train_graphdef(self, drafter):
-    return self._eagle3.train_graphdef(drafter.inner)
-
-  def sampler_params(self, params, policy, draft_aux, fixed):
-    return self._eagle3.sampler_params(params, policy, draft_aux, fixed)
-
-  @property
-  def online_loss(self):
-    return self._eagle3.online_loss
-
-  def policy_overrides(self, draft_cfg, policy_dir):
-    return self._eagle3.policy_overrides(draft_cfg, policy_dir)
-
-  def offline_draft(self, draft_cfg, policy, env):
-    return self._eagle3.offline_draft(draft_cfg, policy, env)
-
-  def save_draft(self, path, *, params, draft_aux, draft):
-    return self._eagle3.save_draft(path, params=params, draft_aux=draft_aux, draft=draft)
+    return super().train_graphdef(drafter.inner)
 
 
 register_method(HistoryMethod())
