@@ -7,6 +7,7 @@ checkpoints restore exactly), encodes prompts with the policy's tokenizer, and s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import traceback
 from typing import Any, Callable, Sequence
 
@@ -26,6 +27,17 @@ class Example:
 class Score:
   reward: float
   correct: bool
+
+
+@functools.lru_cache(maxsize=4)
+def _epoch_order(seed: tuple, epoch: int, size: int) -> np.ndarray:
+  return np.random.default_rng([*seed, epoch]).permutation(size)
+
+
+def epoch_index(position: int, size: int, seed: tuple) -> int:
+  """Which of `size` items sits at `position` of a sequence of epochs over them, epoch e
+  (positions e size .. e size + size - 1) in an order drawn from `seed` and e."""
+  return int(_epoch_order(tuple(seed), position // size, size)[position % size])
 
 
 class Task:
@@ -55,13 +67,7 @@ class Task:
   def pool_index(self, position: int) -> int:
     """The example at data position `position` (TaskConfig.pool_size)."""
     size = self.cfg.pool_size
-    if not size:
-      return position
-    epoch = position // size
-    if getattr(self, "_pool_epoch", None) != epoch:
-      self._pool_epoch = epoch
-      self._pool_order = np.random.default_rng([self.cfg.seed, 7919, epoch]).permutation(size)
-    return int(self._pool_order[position % size])
+    return epoch_index(position, size, (self.cfg.seed, 7919)) if size else position
 
   def validation(self, n: int) -> list[Example]:
     raise NotImplementedError

@@ -13,10 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-import numpy as np
 
 from specjax.rl.config import TaskConfig
-from specjax.rl.tasks import Example, Score, Task
+from specjax.rl.tasks import Example, Score, Task, epoch_index
 from specjax.rl.tasks.hf_datasets import columns, open_dataset
 from specjax.rl.tasks.rewards import extract_answer, math_verify_reward
 
@@ -174,18 +173,13 @@ class MathDatasetTask(Task):
       raise ValueError(f"TaskConfig.path: {cfg.path} has no training rows")
     self.rows = rows
     self.template = chat_template_of(tokenizer) if cfg.chat_template else None
-    self._perm: dict[int, np.ndarray] = {}
 
   def _example(self, row: MathRow) -> Example:
     return Example(prompt=render_chat(row.messages, self.template, self.tokenizer),
                    answer=row.answer, meta={"where": row.where})
 
   def example(self, index: int) -> Example:
-    n = len(self.rows)
-    epoch = index // n
-    if epoch not in self._perm:
-      self._perm = {epoch: np.random.default_rng([self.cfg.seed, epoch]).permutation(n)}
-    return self._example(self.rows[int(self._perm[epoch][index % n])])
+    return self._example(self.rows[epoch_index(index, len(self.rows), (self.cfg.seed,))])
 
   def validation(self, n: int) -> list[Example]:
     return [self._example(r) for r in self.val_rows[:n]]
