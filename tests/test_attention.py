@@ -165,3 +165,32 @@ def test_attention_with_own_keys_equals_masked_attention_over_all_keys(qkv):
   want = jax.grad(objective(dense), (0, 1, 2))(q, k, v)
   for g, r in zip(got, want):
     np.testing.assert_allclose(g, r, atol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_cache_attention_in_chunks_equals_reading_the_whole_cache_and_reads_only_the_live_extent(t):
+  """`attend_cache` read in chunks of 8 (a width that does not divide the 37 positions, so the
+  last chunk overlaps the one before) against one read of the whole buffers; ragged rows, one
+  row that sees no key (returns 0). Keys and values past the last chunk any query sees are NaN:
+  the chunked read never touches them."""
+  from specjax.models.layers import attend_cache
+  b, s, h, hkv, dh = 4, 37, 4, 2, 8
+  ks = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(ks[0], (b, t, h, dh))
+  k = jax.random.normal(ks[1], (b, hkv, dh, s))
+  v = jax.random.normal(ks[2], (b, hkv, s, dh))
+  start = jnp.array([3, 17, 0, 9])
+  qpos = start[:, None] + jnp.arange(t)[None]
+  mask = jnp.arange(s)[None, None, :] <= qpos[:, :, None]
+  mask = mask.at[2].set(False)  # a row with no visible key
+  whole = attend_cache(q, k, v, mask, chunk=s)
+  full = attend_cache(q, k, v, mask, chunk=8, min_bytes=0)
+  np.testing.assert_allclose(full, whole, atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(whole[2], 0.0)
+  reach = -(-(17 + t) // 8) * 8  # chunks of 8 up to the last visible position
+  k_nan = k.at[..., reach:].set(jnp.nan)
+  v_nan = v.at[:, :, reach:].set(jnp.nan)
+  chunked = attend_cache(q, k_nan, v_nan, mask, chunk=8, min_bytes=0)
+  np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=1e-5)
+  # the whole read touches them (the check above is not vacuous)
+  assert np.isnan(np.asarray(attend_cache(q, k_nan, v_nan, mask, chunk=s))).any()

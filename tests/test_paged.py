@@ -174,6 +174,31 @@ def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer):
   np.testing.assert_array_equal(got[2], 0.0)
 
 
+@pytest.mark.parametrize("t,heads,layer,width", [(1, 4, None, 6), (5, 4, 1, 5), (3, 2, None, 5)])
+def test_chunked_pure_jax_path_equals_reference(t, heads, layer, width):
+  """Pages read two at a time up to the furthest visible key (width 5: the last chunk overlaps
+  the one before); holes, out-of-order pages, a padding row, another layer's noise, and a row
+  whose length stops short of its last query."""
+  q, _, _, pool_k, pool_v, table, lengths, start = _problem(200 + t, t, heads, batch=4,
+                                                            width=width)
+  table[1, :2] = table[1, 2:4]
+  table[0, 0] = NO_PAGE
+  table[2] = NO_PAGE
+  lengths[3] = max(int(start[3]), 1)
+  if layer is not None:
+    noise = np.random.default_rng(4).normal(size=(3, *pool_k.shape)).astype(np.float32)
+    stacked_k, stacked_v = noise.copy(), noise[::-1].copy()
+    stacked_k[layer], stacked_v[layer] = pool_k, pool_v
+    pool_k, pool_v = stacked_k, stacked_v
+  args = (q, pool_k, pool_v, table, lengths, start)
+  kw = {"layer": None if layer is None else jnp.int32(layer)}
+  want = paged.paged_attention_reference(*args, **kw)
+  got = jax.jit(lambda *a: paged.paged_attention_chunked(*a, chunk=2 * PAGE, min_bytes=0,
+                                                         **kw))(*args)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  np.testing.assert_array_equal(got[2], 0.0)
+
+
 def test_paged_attention_dispatch():
   q, _, _, pool_k, pool_v, table, lengths, start = _problem(5, 1, 4)
   args = (q, pool_k, pool_v, table, lengths, start)

@@ -46,21 +46,51 @@ def full_logits(target):
   return jax.jit(lambda x: target(x).logits)
 
 
-def test_greedy_generate_equals_a_full_forward_argmax_loop(target, full_logits):
-  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY)
-  n, rows = GREEDY.max_new_tokens, jnp.arange(4)
+def full_forward_greedy(target, n):
+  """Reference greedy completions [B, n]: recompute everything every token, ignore EOS."""
+  logits = jax.jit(lambda x: target(x).logits)
+  rows = jnp.arange(4)
   buf = jnp.zeros((4, PROMPTS.shape[1] + n), jnp.int32).at[:, :8].set(PROMPTS)
-  for j in range(n):  # reference: recompute everything every token, ignore EOS
+  for j in range(n):
     pos = PROMPT_LENGTHS + j
-    tok = jnp.argmax(full_logits(buf)[rows, pos - 1], axis=-1)
+    tok = jnp.argmax(logits(buf)[rows, pos - 1], axis=-1)
     buf = buf.at[rows, pos].set(tok)
-  for b in range(4):
-    ref = np.asarray(buf[b, int(PROMPT_LENGTHS[b]):int(PROMPT_LENGTHS[b]) + n])
-    hits = np.flatnonzero(np.isin(ref, GREEDY.eos_ids))
-    length = int(hits[0]) + 1 if hits.size else n
+  return [np.asarray(buf[b, int(PROMPT_LENGTHS[b]):int(PROMPT_LENGTHS[b]) + n]) for b in range(4)]
+
+
+def assert_greedy_equals(out, refs, cfg):
+  for b, ref in enumerate(refs):
+    hits = np.flatnonzero(np.isin(ref, cfg.eos_ids))
+    length = int(hits[0]) + 1 if hits.size else cfg.max_new_tokens
     assert int(out.lengths[b]) == length
     np.testing.assert_array_equal(out.tokens[b, :length], ref[:length])
+
+
+def test_greedy_generate_equals_a_full_forward_argmax_loop(target):
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY)
+  assert_greedy_equals(out, full_forward_greedy(target, GREEDY.max_new_tokens), GREEDY)
   np.testing.assert_array_equal(out.eos, [False, True, False, True])  # both kinds of rows
+
+
+def test_greedy_decode_and_verify_reading_the_cache_in_chunks_equal_a_full_forward_loop(
+    monkeypatch):
+  """The engine's cached steps with attention read a chunk at a time up to the live extent
+  (`layers.attend_cache`; forced here: the tiny target's caches are below the size where it
+  starts), AR and speculative (verify blocks of K + 1 = 4 queries), against full forwards."""
+  from specjax.drafters import NgramDrafter
+  from specjax.models import cache
+  from specjax.sampling import speculative_generate
+  monkeypatch.setattr(cache, "CACHE_CHUNK", 5)
+  monkeypatch.setattr(cache, "CACHE_CHUNK_MIN_BYTES", 0)
+  # a target of its own, so its programs are traced with the chunks on
+  chunked = Decoder(CFG.replace(init_std=0.45), rngs=nnx.Rngs(1))
+  cfg = SamplingConfig(max_new_tokens=24, temperature=0.0, eos_ids=(18,))
+  refs = full_forward_greedy(chunked, cfg.max_new_tokens)
+  assert_greedy_equals(generate(chunked, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), cfg), refs,
+                       cfg)
+  spec = speculative_generate(chunked, NgramDrafter(draft_len=3), None, PROMPTS, PROMPT_LENGTHS,
+                              jax.random.key(0), cfg)
+  assert_greedy_equals(spec, refs, cfg)
 
 
 @pytest.fixture(scope="module")

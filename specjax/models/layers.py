@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from specjax.models.attention import causal_attention
+from specjax.models import cache as cache_lib
 from specjax.models.cache import write_keys, write_values
 from specjax.models.config import ModelConfig, RopeScaling
 from specjax.models.paged import PagedLayer
@@ -86,15 +87,57 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
   return out.reshape(b, t, h, dh)
 
 
-def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
+                 chunk: int | None = None, min_bytes: int | None = None) -> jax.Array:
   """`attend` over KV-cache buffers (`KVCache` layout): q [B,T,H,Dh], k [B,Hkv,Dh,S],
-  v [B,Hkv,S,Dh], mask bool[B,T,S] -> [B,T,H,Dh]."""
+  v [B,Hkv,S,Dh], mask bool[B,T,S] -> [B,T,H,Dh]. A query that sees no key returns 0.
+
+  Reads only the cache's live extent (up to the last position any query sees), in about `chunk`
+  positions at a time with an online softmax: the loop's trip count is dynamic, so one compiled
+  program serves every length and a step over short rows does not read the rest of the buffers.
+  Key buffers under `min_bytes`, or of one chunk, are read whole (defaults: `CACHE_CHUNK`,
+  `CACHE_CHUNK_MIN_BYTES` in `specjax.models.cache`, read at trace time)."""
+  chunk = cache_lib.CACHE_CHUNK if chunk is None else int(chunk)
+  min_bytes = cache_lib.CACHE_CHUNK_MIN_BYTES if min_bytes is None else int(min_bytes)
   b, t, h, dh = q.shape
-  hkv = k.shape[1]
+  hkv, s = k.shape[1], k.shape[-1]
+  n_max = -(-s // max(1, chunk))
   q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
-  scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
-  probs = _attention_probs(scores, mask, dh, v.dtype)
-  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  if n_max == 1 or k.size * k.dtype.itemsize < min_bytes:  # read whole
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
+    probs = _attention_probs(scores, mask, dh, v.dtype)
+    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+  c = -(-s // n_max)  # chunks of equal width covering the buffers
+  pos = jnp.arange(s, dtype=jnp.int32)
+  extent = jnp.max(jnp.where(mask, pos + 1, 0))
+  n = jnp.clip((extent + c - 1) // c, 1, n_max)
+  scale = 1.0 / math.sqrt(dh)
+
+  def body(i, carry):
+    m, l, acc = carry
+    # the last chunk may start early to stay inside the buffers: positions an earlier chunk
+    # already counted are masked out
+    start = jnp.minimum(i * c, s - c)
+    kc = jax.lax.dynamic_slice_in_dim(k, start, c, axis=3)
+    vc = jax.lax.dynamic_slice_in_dim(v, start, c, axis=2)
+    mc = (jax.lax.dynamic_slice_in_dim(mask, start, c, axis=2)
+          & (start + jnp.arange(c) >= i * c)[None, None, :])[:, None, None]  # [B, 1, 1, T, c]
+    sc = jnp.einsum("bkgtd,bkds->bkgts", q, kc, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(mc, sc, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+    # masked entries are zeroed explicitly: while a query has seen no key, m_new is NEG_INF too
+    p = jnp.where(mc, jnp.exp(sc - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32)
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+  shape = (b, hkv, h // hkv, t)
+  init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (dh,), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, n, body, init)
+  out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v.dtype)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 

@@ -4,7 +4,8 @@ A row holds pages for the tokens it has instead of a dense max-length buffer. To
 row b lives in page `page_table[b, p // page_size]`, slot `p % page_size`. Which page goes to which
 row is decided on the host (`specjax.sampling.pages.PageAllocator`); this module is the device
 side: the pool, writes through the page table, and attention over a row's pages (a pure-JAX
-reference and a Pallas kernel).
+reference, a pure-JAX path that reads only the live pages, a chunk at a time, and a Pallas
+kernel).
 
 Layout: keys and values are separate pools, each [L, Hkv, num_pages, page_size, Dh] (one leading
 layer axis, so a scan over layers carries one array and indexes it with `layer`). Head-major pages
@@ -29,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.experimental import pallas as pl
+
+from specjax.models import cache as cache_lib
 
 NO_PAGE = -1  # the page-table sentinel (the host allocator uses the same value)
 NEG_INF = -1e30
@@ -236,6 +239,65 @@ def paged_attention_reference(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array
   return out.reshape(b, t, h, dh).astype(q.dtype)
 
 
+def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
+                            page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
+                            layer=None, max_len: int | None = None, chunk: int | None = None,
+                            min_bytes: int | None = None) -> jax.Array:
+  """`paged_attention_reference`, reading the rows' pages a chunk of about `chunk` positions at a
+  time (whole pages) with an online softmax, up to the last page any row has a visible key on: a
+  dynamic trip count, so a step over short rows gathers only their first pages (as
+  `layers.attend_cache` reads a dense cache). Gathers of under `min_bytes` of keys, or of one
+  chunk, are the reference itself (defaults: `cache.CACHE_CHUNK`, `cache.CACHE_CHUNK_MIN_BYTES`)."""
+  pk, pv, layer = _stacked(pool_k, pool_v, layer)
+  _, hkv, num_pages, page_size, dh = pk.shape
+  b, t, h, _ = q.shape
+  chunk = cache_lib.CACHE_CHUNK if chunk is None else int(chunk)
+  min_bytes = cache_lib.CACHE_CHUNK_MIN_BYTES if min_bytes is None else int(min_bytes)
+  n = _pages_read(page_table, page_size, max_len)
+  per = max(1, chunk // page_size)
+  n_max = -(-n // per)
+  if n_max == 1 or b * hkv * n * page_size * dh * pk.dtype.itemsize < min_bytes:
+    return paged_attention_reference(q, pk, pv, page_table, lengths, start, layer=layer,
+                                     max_len=max_len)
+  per = -(-n // n_max)  # chunks of equal width covering the pages read
+  table = jnp.asarray(page_table, jnp.int32)[:, :n]
+  lengths = jnp.asarray(lengths, jnp.int32)
+  qpos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+  # a key is visible below min(length, last query + 1): read the pages up to the furthest one
+  extent = jnp.max(jnp.minimum(lengths, qpos[:, -1] + 1))
+  steps = jnp.clip((extent + per * page_size - 1) // (per * page_size), 1, n_max)
+  qg = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+  scale = 1.0 / math.sqrt(dh)
+
+  def body(i, carry):
+    m, l, acc = carry
+    first = jnp.minimum(i * per, n - per)  # the last chunk may overlap the one before
+    pages = jax.lax.dynamic_slice_in_dim(table, first, per, axis=1)
+    valid = (pages >= 0) & (pages < num_pages)
+    idx = jnp.where(valid, pages, 0)
+    kc = pk[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, per * page_size, dh)
+    vc = pv[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, per * page_size, dh)
+    kpos = first * page_size + jnp.arange(per * page_size, dtype=jnp.int32)
+    mask = ((kpos[None, None, :] <= qpos[:, :, None])
+            & (kpos[None, None, :] < lengths[:, None, None])
+            & (kpos >= i * per * page_size)[None, None, :]
+            & jnp.repeat(valid, page_size, axis=1)[:, None, :])[:, None, None]  # [B,1,1,T,c]
+    sc = jnp.einsum("bkgtd,bksd->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
+    sc = jnp.where(mask, sc, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
+    p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)  # zero while no key was seen
+    corr = jnp.exp(m - m_new)
+    pv_ = jnp.einsum("bkgts,bksd->bkgtd", p, vc.astype(jnp.float32))
+    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv_
+
+  shape = (b, hkv, h // hkv, t)
+  init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (dh,), jnp.float32))
+  _, l, acc = jax.lax.fori_loop(0, steps, body, init)
+  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
+
+
 def _kernel(lengths_ref, start_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *,
             group: int, num_tokens: int, scale: float):
   """One (row, kv head) program: the row's T * G queries of this kv head against its pages,
@@ -329,14 +391,18 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_tab
                     max_len: int | None = None, implementation: str | None = None,
                     interpret: bool = False) -> jax.Array:
   """Paged attention (semantics of `paged_attention_reference`). `implementation`: "pallas"
-  (the kernel; `interpret=True` runs it on any backend), "reference", or None: the kernel on
-  GPU, the reference elsewhere."""
+  (the kernel; `interpret=True` runs it on any backend), "reference", "chunked"
+  (`paged_attention_chunked`), or None: the kernel on GPU, chunked elsewhere."""
   if implementation is None:
-    implementation = "pallas" if jax.default_backend() == "gpu" else "reference"
+    implementation = "pallas" if jax.default_backend() == "gpu" else "chunked"
   if implementation == "reference":
     return paged_attention_reference(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
                                      max_len=max_len)
+  if implementation == "chunked":
+    return paged_attention_chunked(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
+                                   max_len=max_len)
   if implementation == "pallas":
     return paged_attention_pallas(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
                                   max_len=max_len, interpret=interpret)
-  raise ValueError(f"implementation={implementation!r}: expected None, 'reference' or 'pallas'")
+  raise ValueError(f"implementation={implementation!r}: expected None, 'reference', 'chunked' or "
+                   "'pallas'")
