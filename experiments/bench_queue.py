@@ -21,7 +21,9 @@ once untimed, then --repeats interleaved rounds):
   paged            AR with the queue at the same budget, paged (`EngineConfig.kv_cache_gb`): up
                    to --paged-slots slots (default 2 x --slots), rows admitted while pages are
                    free, a GRPO group's samples sharing their prompt pages
-Tokens/s counts completion tokens; `rows.dense` / `rows.paged` are the rows each held at once
+`--whole-cache-reads` makes every step's attention read its caches whole (in this process), for
+a side-by-side with the default, which reads only their live part. Tokens/s counts completion
+tokens; `rows.dense` / `rows.paged` are the rows each held at once
 (paged: the most live rows any segment started with, and the step-weighted mean). Prints a table, writes JSON (`arms.<arm>.tokens_per_s`,
 paired per-round ratios, the acceptance length and the K the engine chose). Asserts nothing.
 """
@@ -46,6 +48,7 @@ import bench_engine as be  # noqa: E402
 from bench_io import write_json  # noqa: E402
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
 from specjax.models import Decoder  # noqa: E402
+from specjax.models import cache  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
 
@@ -84,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
   p.add_argument("--repeats", type=int, default=None, help="3 (--quick: 1)")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--whole-cache-reads", action="store_true",
+                 help="attention reads every KV cache whole (this process), not the live part "
+                      "a chunk at a time: the engine's attention before chunked reads")
   p.add_argument("--out", default="runs/bench_queue.json")
   a = p.parse_args(argv)
   quick = dict(prompts=32, slots=16, repeats=1) if a.quick else dict(prompts=64, slots=32,
@@ -118,6 +124,8 @@ def main(argv=None) -> dict:
   a = parse_args(argv)
   log = lambda s: print(s, flush=True)
   t_start = time.perf_counter()
+  if a.whole_cache_reads:  # read at trace time: set before any program is traced
+    cache.CACHE_CHUNK_MIN_BYTES = sys.maxsize
   target, cfg_m, eos, quantiles, prompts, lens = markov_target(a, log)
   cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
   rows = prompts.shape[0]

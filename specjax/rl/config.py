@@ -88,8 +88,9 @@ class RolloutConfig:
   max_prompt_len: int = 0
   gen_dtype: str = ""  # "" -> the policy's own dtype (colocated: the very same arrays)
   # the rollout engine: gather live rows into power-of-two buckets as rows finish; optionally
-  # attend over the live prefix only (window_block * 2^j positions; 0 reads the whole cache;
-  # every window is one more compiled program per bucket and K)
+  # cut the cache a step's program sees to window_block * 2^j positions (0: the whole cache,
+  # of which attention reads the live part anyway; every window is one more compiled program
+  # per bucket and K)
   compaction: bool = _ENGINE.compaction
   min_bucket: int = _ENGINE.min_bucket
   window_block: int = _ENGINE.window_block
