@@ -25,10 +25,10 @@ from flax import struct
 
 # Cache positions a cached forward's attention reads at a time (`layers.attend_cache`,
 # `paged.paged_attention_chunked`), and the smallest key buffer (bytes per layer, as read) it
-# reads in chunks. On the 2-core CPU a decode step's attention over 16 rows x 293 cache positions
-# took 12 ms per 8 layers read whole and 4-5 ms read in chunks of 96-128 up to a live extent of
-# 60; smaller chunks cost more per loop step, and below about one row's 256 KiB the loop's fixed
-# cost outweighs what it saves.
+# reads in chunks. Reading only the live part of the caches made a 16-slot GRPO queue 1.13x
+# (AR) and 1.21x (speculative) faster on the 2-core CPU (docs/BENCHMARKS.md, "Attention over
+# the live part of the cache"); smaller chunks cost more loop steps, and for small buffers (one
+# row of that target) the loop's fixed cost outweighs what it saves.
 CACHE_CHUNK = 128
 CACHE_CHUNK_MIN_BYTES = 256 * 1024
 
