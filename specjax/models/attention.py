@@ -162,6 +162,32 @@ def _flash_bwd(res, cts):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+def online_softmax_init(shape: tuple[int, ...], head_dim: int):
+  """The running (max, denominator, numerator) of `online_softmax_step` for queries of `shape`."""
+  return (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
+          jnp.zeros(shape + (head_dim,), jnp.float32))
+
+
+def online_softmax_step(carry, scores: jax.Array, mask: jax.Array, values: jax.Array,
+                        spec: str):
+  """Fold one chunk of keys into a running softmax: scaled float32 `scores` [..., c], `mask`
+  (broadcast to them) of the keys each query sees, `values` contracted with the probabilities
+  by the einsum `spec`. Masked keys weigh exactly 0, also while a query has seen none yet."""
+  m, l, acc = carry
+  scores = jnp.where(mask, scores, NEG_INF)
+  m_new = jnp.maximum(m, jnp.max(scores, axis=-1))
+  p = jnp.where(mask, jnp.exp(scores - m_new[..., None]), 0.0)
+  corr = jnp.exp(m - m_new)
+  pv = jnp.einsum(spec, p.astype(values.dtype), values, preferred_element_type=jnp.float32)
+  return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+
+def online_softmax_result(carry) -> jax.Array:
+  """The attended values of a running softmax; 0 for a query that saw no key."""
+  _, l, acc = carry
+  return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
+
 def causal_attention_with_own_keys(q: jax.Array, k: jax.Array, v: jax.Array,
                                    own_k: list[jax.Array], own_v: list[jax.Array], *,
                                    block: int) -> jax.Array:

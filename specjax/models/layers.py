@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from specjax.models.attention import causal_attention
+from specjax.models.attention import (causal_attention, online_softmax_init,
+                                      online_softmax_result, online_softmax_step)
 from specjax.models import cache as cache_lib
 from specjax.models.cache import write_keys, write_values
 from specjax.models.config import ModelConfig, RopeScaling
@@ -116,7 +117,6 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   scale = 1.0 / math.sqrt(dh)
 
   def body(i, carry):
-    m, l, acc = carry
     # the last chunk may start early to stay inside the buffers: positions an earlier chunk
     # already counted are masked out
     start = jnp.minimum(i * c, s - c)
@@ -125,19 +125,10 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
     mc = (jax.lax.dynamic_slice_in_dim(mask, start, c, axis=2)
           & (start + jnp.arange(c) >= i * c)[None, None, :])[:, None, None]  # [B, 1, 1, T, c]
     sc = jnp.einsum("bkgtd,bkds->bkgts", q, kc, preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(mc, sc, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-    # masked entries are zeroed explicitly: while a query has seen no key, m_new is NEG_INF too
-    p = jnp.where(mc, jnp.exp(sc - m_new[..., None]), 0.0)
-    corr = jnp.exp(m - m_new)
-    pv = jnp.einsum("bkgts,bksd->bkgtd", p.astype(v.dtype), vc, preferred_element_type=jnp.float32)
-    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+    return online_softmax_step(carry, sc, mc, vc, "bkgts,bksd->bkgtd")
 
-  shape = (b, hkv, h // hkv, t)
-  init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-          jnp.zeros(shape + (dh,), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, n, body, init)
-  out = (acc / jnp.where(l > 0, l, 1.0)[..., None]).astype(v.dtype)
+  carry = online_softmax_init((b, hkv, h // hkv, t), dh)
+  out = online_softmax_result(jax.lax.fori_loop(0, n, body, carry)).astype(v.dtype)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 

@@ -32,6 +32,8 @@ from flax import struct
 from jax.experimental import pallas as pl
 
 from specjax.models import cache as cache_lib
+from specjax.models.attention import (online_softmax_init, online_softmax_result,
+                                      online_softmax_step)
 
 NO_PAGE = -1  # the page-table sentinel (the host allocator uses the same value)
 NEG_INF = -1e30
@@ -270,7 +272,6 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   scale = 1.0 / math.sqrt(dh)
 
   def body(i, carry):
-    m, l, acc = carry
     first = jnp.minimum(i * per, n - per)  # the last chunk may overlap the one before
     pages = jax.lax.dynamic_slice_in_dim(table, first, per, axis=1)
     valid = (pages >= 0) & (pages < num_pages)
@@ -283,18 +284,10 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
             & (kpos >= i * per * page_size)[None, None, :]
             & jnp.repeat(valid, page_size, axis=1)[:, None, :])[:, None, None]  # [B,1,1,T,c]
     sc = jnp.einsum("bkgtd,bksd->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
-    sc = jnp.where(mask, sc, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(sc, axis=-1))
-    p = jnp.where(mask, jnp.exp(sc - m_new[..., None]), 0.0)  # zero while no key was seen
-    corr = jnp.exp(m - m_new)
-    pv_ = jnp.einsum("bkgts,bksd->bkgtd", p, vc.astype(jnp.float32))
-    return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv_
+    return online_softmax_step(carry, sc, mask, vc.astype(jnp.float32), "bkgts,bksd->bkgtd")
 
-  shape = (b, hkv, h // hkv, t)
-  init = (jnp.full(shape, NEG_INF, jnp.float32), jnp.zeros(shape, jnp.float32),
-          jnp.zeros(shape + (dh,), jnp.float32))
-  _, l, acc = jax.lax.fori_loop(0, steps, body, init)
-  out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+  carry = online_softmax_init((b, hkv, h // hkv, t), dh)
+  out = online_softmax_result(jax.lax.fori_loop(0, steps, body, carry))
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
