@@ -88,8 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--repeats", type=int, default=None, help="3 (--quick: 1)")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--whole-cache-reads", action="store_true",
-                 help="attention reads every KV cache whole (this process), not the live part "
-                      "a chunk at a time: the engine's attention before chunked reads")
+                 help="attention reads every KV cache whole (this process), not only the live "
+                      "part a chunk at a time: the other arm of a side-by-side")
   p.add_argument("--out", default="runs/bench_queue.json")
   a = p.parse_args(argv)
   quick = dict(prompts=32, slots=16, repeats=1) if a.quick else dict(prompts=64, slots=32,

@@ -184,8 +184,8 @@ def test_cache_attention_in_chunks_equals_reading_the_whole_cache_and_reads_only
   mask = jnp.arange(s)[None, None, :] <= qpos[:, :, None]
   mask = mask.at[2].set(False)  # a row with no visible key
   whole = attend_cache(q, k, v, mask, chunk=s)
-  full = attend_cache(q, k, v, mask, chunk=8, min_bytes=0)
-  np.testing.assert_allclose(full, whole, atol=1e-5, rtol=1e-5)
+  in_chunks = attend_cache(q, k, v, mask, chunk=8, min_bytes=0)
+  np.testing.assert_allclose(in_chunks, whole, atol=1e-5, rtol=1e-5)
   np.testing.assert_array_equal(whole[2], 0.0)
   reach = -(-(17 + t) // 8) * 8  # chunks of 8 up to the last visible position
   k_nan = k.at[..., reach:].set(jnp.nan)
