@@ -1,15 +1,24 @@
-"""GPU benchmark in one command: AR decode against the memory-read roof at Qwen3-1.7B and Qwen3-8B
-shapes (random weights, bfloat16) at batch 1/64/256, the speculative engine on a workload whose
-drafts are accepted, first-call (compile) times and peak device memory. JSON out, written after
-every stage, so a run stopped at its time limit keeps what it measured.
+"""GPU benchmark in one command: the paged-attention kernel against its reference, AR decode
+against the memory-read roof at Qwen3-1.7B and Qwen3-8B shapes (random weights, bfloat16) at batch
+1/64/256, the speculative engine on a workload whose drafts are accepted, first-call (compile)
+times and peak device memory. JSON out, written after every stage, so a run stopped at its time
+limit keeps what it measured.
 
-  python experiments/bench_gpu.py --out runs/bench_gpu.json      # one H100/H200: ~8 minutes
+  python experiments/bench_gpu.py --out runs/bench_gpu.json      # one H100: about 5 minutes
   python experiments/bench_gpu.py --smoke                        # tiny shapes, any machine, seconds
 
 Needs jax, flax, optax, numpy, safetensors, tokenizers, jinja2, tqdm (a GPU image's usual set);
 nothing is downloaded. Run it from the repository root (it puts the root on sys.path).
 
 What each figure is:
+- paged: the Pallas paged-attention kernel (`paged_attention(implementation="pallas")`, compiled
+  for the device; interpret mode where there is no GPU) against the plain-formula reference on
+  pages with holes, out-of-order pages, a padding row and a stacked pool (max abs difference,
+  float32 and bfloat16, one token and a verify block); then milliseconds per call of the kernel,
+  the reference and the chunked pure-JAX path at Qwen3-8B attention heads over --paged-batch rows
+  of ragged lengths up to --paged-context (GB/s: K and V bytes of the visible positions / time);
+  then greedy `generate` on a small float32 model through the paged engine (the kernel inside
+  every step) against the dense engine: rows whose tokens are identical.
 - decode: `generate` with the plain loop (`STATIC`: one program per batch, full batch, whole
   cache) on prompts of --prompt-len tokens, --new-tokens sampled at temperature 1 with no EOS, so
   every row runs every step. The engine times its decode loop as one segment (no prefill): seconds
@@ -43,6 +52,7 @@ from flax import nnx  # noqa: E402
 
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
+from specjax.models import paged  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, generate, speculative_generate)
 
@@ -70,6 +80,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--spec-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--draft-len", type=int, default=4)
   p.add_argument("--draft-layers", type=int, default=2)
+  p.add_argument("--stages", nargs="+", default=["paged", "decode", "spec"],
+                 help="stages to run, in this order: paged, decode (every --models shape), "
+                      "decode=SHAPE (one shape), spec")
+  p.add_argument("--paged-batch", type=int, default=64)
+  p.add_argument("--paged-context", type=int, default=2048,
+                 help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
   p.add_argument("--budget-s", type=float, default=450.0,
                  help="stages that would start after this many seconds are skipped (logged)")
   p.add_argument("--seed", type=int, default=0)
@@ -78,11 +94,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="tiny shapes and batches (a check that the script runs, not a benchmark)")
   if "--smoke" in (sys.argv[1:] if argv is None else argv):  # other defaults; flags still apply
     p.set_defaults(models=["smoke"], spec_model="smoke", batches=[1, 4], spec_batches=[2],
-                   prompt_len=8, new_tokens=8, dtype="float32")
+                   prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64)
   a = p.parse_args(argv)
-  for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers"):
+  for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "paged_batch",
+               "paged_context"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+  for stage in a.stages:
+    name, _, shape = stage.partition("=")
+    if name not in ("paged", "decode", "spec") or (shape and (name != "decode"
+                                                               or shape not in SHAPES)):
+      p.error(f"--stages: {stage!r} is not paged, decode, decode=SHAPE (one of "
+              f"{', '.join(SHAPES)}) or spec")
   if any(b < 1 for b in a.batches + a.spec_batches):
     p.error("batches must be >= 1")
   return a
@@ -246,6 +269,141 @@ def spec_stage(a, results: dict) -> None:
   write(a, results)
 
 
+PAGE_SIZE = 16
+ENGINE_CHECK_SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
+                          head_dim=128, mlp_hidden=1024, vocab_size=4096, tie_embeddings=True)
+
+
+def paged_problem(rng, batch: int, t: int, heads: int, kv_heads: int, dh: int,
+                  lengths: np.ndarray, layers: int = 0):
+  """q, pools and a page table: each row's pages distinct and in random order in the pool, the
+  rest of the pool (and, with `layers`, the other layers of a stacked pool) random noise; the
+  queries are the row's last t positions."""
+  width = -(-int(lengths.max()) // PAGE_SIZE)
+  num_pages = batch * width + 3
+  table = rng.permutation(num_pages)[:batch * width].reshape(batch, width).astype(np.int32)
+  pool_shape = ((layers,) if layers else ()) + (kv_heads, num_pages, PAGE_SIZE, dh)
+  q = rng.normal(size=(batch, t, heads, dh)).astype(np.float32)
+  pool_k = rng.normal(size=pool_shape).astype(np.float32)
+  pool_v = rng.normal(size=pool_shape).astype(np.float32)
+  lengths = lengths.astype(np.int32)
+  return q, pool_k, pool_v, table, lengths, (lengths - t).astype(np.int32)
+
+
+def paged_stage(a, results: dict) -> None:
+  interpret = jax.default_backend() != "gpu"  # the kernel is compiled for GPUs only
+  heads = SHAPES["smoke" if a.smoke else "qwen3-8b"]
+  h, hkv, dh = heads["num_heads"], heads["num_kv_heads"], heads["head_dim"]
+  res = results.setdefault("paged", {"interpret": interpret, "page_size": PAGE_SIZE})
+  cpu = jax.devices("cpu")[0]
+
+  def kernel(*args, **kw):
+    return paged.paged_attention(*args, implementation="pallas", interpret=interpret, **kw)
+
+  # 1. the kernel against the reference (run on the host CPU in float32) on awkward page tables
+  checks = []
+  rng = np.random.default_rng(a.seed)
+  for t in (1, a.draft_len + 1):
+    for dtype in ("float32", "bfloat16"):
+      for layers in (0, 3):
+        lengths = rng.integers(t, 6 * PAGE_SIZE, size=4)
+        q, pk, pv, table, lengths, start = paged_problem(rng, 4, t, h, hkv, dh, lengths, layers)
+        table[0, 0] = paged.NO_PAGE  # a hole: the first query positions see no key there
+        table[1, :2] = table[1, 1::-1].copy()  # two pages swapped
+        table[2] = paged.NO_PAGE  # a padding row (stale length): sees nothing, returns 0
+        kw = {"layer": jnp.int32(1)} if layers else {}
+        with jax.default_device(cpu):
+          want = np.asarray(paged.paged_attention_reference(q, pk, pv, table, lengths, start,
+                                                            **kw))
+        cast = lambda x: jnp.asarray(x, dtype)
+        rec = {"tokens": t, "dtype": dtype, "stacked": bool(layers)}
+        try:
+          got = jax.jit(kernel)(cast(q), cast(pk), cast(pv), jnp.asarray(table),
+                                jnp.asarray(lengths), jnp.asarray(start), **kw)
+          got = np.asarray(got.astype(jnp.float32))
+          rec.update(max_abs_err=float(np.abs(got - want).max()),
+                     max_abs_ref=float(np.abs(want).max()),
+                     padding_row_zero=bool((got[2] == 0).all()))
+        except Exception as e:  # record the failure; the other checks and stages still run
+          rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+        checks.append(rec)
+        log(f"paged kernel check T={t} {dtype:8s} {'stacked' if layers else 'one layer'}: " +
+            (rec["error"][:300] if "error" in rec else
+             f"max |kernel - reference| {rec['max_abs_err']:.2e} (|ref| <= "
+             f"{rec['max_abs_ref']:.2f}), padding row zero {rec['padding_row_zero']}"))
+  res["checks"] = checks
+  write(a, results)
+
+  # 2. milliseconds per call at decode and verify shapes over ragged rows
+  timings = []
+  impls = ("pallas", "reference", "chunked")
+  for t in (1, a.draft_len + 1):
+    lengths = rng.integers(a.paged_context // 4, a.paged_context + 1, size=a.paged_batch)
+    lengths = np.maximum(lengths, t)
+    q, pk, pv, table, lengths, start = paged_problem(rng, a.paged_batch, t, h, hkv, dh, lengths)
+    args = [jnp.asarray(x, a.dtype) for x in (q, pk, pv)] + [jnp.asarray(table),
+                                                             jnp.asarray(lengths),
+                                                             jnp.asarray(start)]
+    itemsize = jnp.dtype(a.dtype).itemsize
+    kv_bytes = float(lengths.sum()) * hkv * dh * 2 * itemsize
+    row = {"tokens": t, "batch": a.paged_batch, "max_len": int(lengths.max()),
+           "mean_len": float(lengths.mean()), "kv_gbytes": kv_bytes / 1e9, "dtype": a.dtype}
+    for impl in impls:
+      fn = jax.jit(kernel) if impl == "pallas" else jax.jit(
+          lambda *x, impl=impl: paged.paged_attention(*x, implementation=impl))
+      try:
+        jax.block_until_ready(fn(*args))
+        times = []
+        for _ in range(10):
+          t0 = time.perf_counter()
+          jax.block_until_ready(fn(*args))
+          times.append(time.perf_counter() - t0)
+        best = min(times)
+        row[impl] = {"ms": 1e3 * best, "median_ms": 1e3 * float(np.median(times)),
+                     "gbps": kv_bytes / best / 1e9}
+        log(f"paged attention T={t} batch {a.paged_batch} (rows up to {row['max_len']}) "
+            f"{impl:9s}: {1e3 * best:8.3f} ms  {kv_bytes / best / 1e9:7.1f} GB/s of K and V")
+      except Exception as e:
+        row[impl] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
+        log(f"paged attention T={t} {impl}: failed ({row[impl]['error'][:300]})")
+    timings.append(row)
+    res["timings"] = timings
+    write(a, results)
+
+  # 3. the paged engine (the kernel in every step) against the dense engine, greedy
+  shape = SHAPES["smoke"] if a.smoke else ENGINE_CHECK_SHAPE
+  cfg = ModelConfig(**shape, dtype="float32", param_dtype="float32")
+  model = Decoder(cfg, rngs=nnx.Rngs(a.seed))
+  rows, slots = 16, 8
+  prompts, lengths = prompts_for(rows, 24, cfg.vocab_size, a.seed + 7)
+  lengths = jnp.asarray(np.random.default_rng(a.seed).integers(8, 25, rows), jnp.int32)
+  scfg = SamplingConfig(max_new_tokens=64, temperature=0.0)
+  token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
+  engines = {"dense": EngineConfig(max_rows=slots),
+             "paged": EngineConfig(max_rows=slots, page_size=PAGE_SIZE,
+                                   kv_cache_gb=2 * slots * (24 + 64) * token_bytes / 2**30)}
+  outs, rec = {}, {"rows": rows, "slots": slots, "model": shape}
+  try:
+    with jax.default_matmul_precision("highest"):  # no TF32: the two paths differ in attention only
+      for name, engine in engines.items():
+        first, call, outs[name] = timed_calls(
+            lambda i, engine=engine: generate(model, prompts, lengths, jax.random.key(i), scfg,
+                                              engine=engine))
+        rec[name] = {"first_call_s": first, "call_s": call}
+    d, p = (np.asarray(outs[k].tokens) for k in ("dense", "paged"))
+    n = np.asarray(outs["dense"].lengths)
+    same = [bool(np.array_equal(d[r, :n[r]], p[r, :n[r]]))
+            and int(outs["paged"].lengths[r]) == int(n[r]) for r in range(rows)]
+    rec["rows_identical"] = int(sum(same))
+  except Exception as e:
+    rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+  res["engine_greedy"] = rec
+  log("paged engine vs dense engine, greedy: " + (rec["error"][:300] if "error" in rec else
+      f"{rec['rows_identical']}/{rows} rows identical (paged first call "
+      f"{rec['paged']['first_call_s']:.1f} s)"))
+  write(a, results)
+
+
 def over_budget(a, stage: str, results: dict) -> bool:
   elapsed = time.perf_counter() - START
   if elapsed <= a.budget_s:
@@ -275,11 +433,16 @@ def main(argv=None) -> dict:
   log(f"device copy bandwidth {bandwidth:.0f} GB/s (read + write; nominal "
       f"{results['device']['nominal_gbps']})")
   write(a, results)
-  for shape in a.models:
-    if not over_budget(a, f"{shape} decode", results):
-      decode_stage(a, shape, bandwidth, results)
-  if a.spec_model and not over_budget(a, "speculative", results):
-    spec_stage(a, results)
+  for stage in a.stages:
+    if stage == "paged" and not over_budget(a, "paged", results):
+      paged_stage(a, results)
+    name, _, one = stage.partition("=")
+    if name == "decode":
+      for shape in [one] if one else a.models:
+        if not over_budget(a, f"{shape} decode", results):
+          decode_stage(a, shape, bandwidth, results)
+    if stage == "spec" and a.spec_model and not over_budget(a, "speculative", results):
+      spec_stage(a, results)
   log(f"done: {a.out}")
   return results
 

@@ -163,7 +163,8 @@ def test_seed_summary_reports_mean_spread_and_an_exact_paired_test():
 
 def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   """The GPU benchmark is run on the day a GPU is lent: its every stage must already work (here at
-  tiny shapes on the CPU), and its drafts must be accepted by construction."""
+  tiny shapes on the CPU), its kernel checks must pass, and its drafts must be accepted by
+  construction."""
   import bench_gpu
 
   out = tmp_path / "gpu.json"
@@ -172,6 +173,13 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   (row,) = data["decode"]["smoke"]
   assert row["batch"] == 2 and row["steps"] == 7 and row["step_ms"] > 0  # the prefill emits 1 of 8
   assert 0 < row["roof_fraction"] and row["step_gbytes"] > 0
+  paged = data["paged"]  # the Pallas kernel in interpret mode here
+  assert paged["interpret"] and len(paged["checks"]) == 8
+  for check in paged["checks"]:
+    assert check["max_abs_err"] < (1e-5 if check["dtype"] == "float32" else 3e-2), check
+    assert check["padding_row_zero"]
+  assert {"pallas", "reference", "chunked"} <= set(paged["timings"][0])
+  assert paged["engine_greedy"]["rows_identical"] == paged["engine_greedy"]["rows"] == 16
   arms = data["speculative"]["rows"][0]["arms"]
   assert set(arms) == {"ar", "spec_static", "spec_adaptive"}
   # layers past the draft's have zero output projections: the draft model is the target

@@ -345,9 +345,10 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   inside the kernel, so no layer slice is copied out of it.
 
   Written for the Triton lowering (GPU): the queries of a (row, kv head) are padded to a power of
-  two >= 16 rows; page_size and Dh must then be powers of two >= 16 (tl.dot's minimum). Checked
-  only in interpret mode on CPU against the reference; not yet compiled or run on a GPU, and not
-  tuned (one page per step, no split over pages for long rows, num_warps left to the default)."""
+  two >= 16 rows; page_size and Dh must then be powers of two >= 16 (tl.dot's minimum). Tested
+  in interpret mode on CPU against the reference; `experiments/bench_gpu.py` checks it compiled
+  on a GPU (against the reference, and inside the paged engine) and times it. Not tuned: one
+  page per step, no split over pages for long rows, num_warps left to the default."""
   pk, pv, layer = _stacked(pool_k, pool_v, layer)
   _, hkv, _, page_size, dh = pk.shape
   b, t, h, _ = q.shape
