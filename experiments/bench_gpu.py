@@ -15,7 +15,8 @@ What each figure is:
   for the device; interpret mode where there is no GPU) against the plain-formula reference on
   pages with holes, out-of-order pages, a padding row and a stacked pool (max abs difference,
   float32 and bfloat16, one token and a verify block); then milliseconds per call of the kernel,
-  the reference and the chunked pure-JAX path at Qwen3-8B attention heads over --paged-batch rows
+  the reference and the chunked pure-JAX path (chunks forced: off the CPU its default is the
+  reference) at Qwen3-8B attention heads over --paged-batch rows
   of ragged lengths up to --paged-context (GB/s: K and V bytes of the visible positions / time);
   then greedy `generate` on a small float32 model through the paged engine (the kernel inside
   every step) against the dense engine: rows whose tokens are identical.
@@ -25,6 +26,10 @@ What each figure is:
   per step = segment seconds / steps. The roof is the bytes a step must read (all weights + the
   KV cache it attends over) at the device's measured copy bandwidth; `roof_fraction` = roof step
   time / measured step time. `first_call_s` is the first call (compile + run), `call_s` the second.
+- reads: the plain loop's decode step (as in decode) at --reads-model and --reads-batches with
+  the dense KV cache read whole (the default off the CPU) and read in chunks up to the live
+  extent (the CPU default, forced): a chunked read is a loop of dynamic length, whose condition
+  a GPU hands back to the host at every iteration.
 - speculative: the target's layers from --draft-layers on have zero output projections (as a
   grown policy's new layers do), so a draft model made of its first --draft-layers layers
   computes the target's distribution exactly and drafts are accepted (acceptance length close to
@@ -36,6 +41,7 @@ What each figure is:
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -52,7 +58,7 @@ from flax import nnx  # noqa: E402
 
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
-from specjax.models import paged  # noqa: E402
+from specjax.models import cache, paged  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, generate, speculative_generate)
 
@@ -80,9 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--spec-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--draft-len", type=int, default=4)
   p.add_argument("--draft-layers", type=int, default=2)
-  p.add_argument("--stages", nargs="+", default=["paged", "decode", "spec"],
+  p.add_argument("--stages", nargs="+", default=["paged", "decode", "spec", "reads"],
                  help="stages to run, in this order: paged, decode (every --models shape), "
-                      "decode=SHAPE (one shape), spec")
+                      "decode=SHAPE (one shape), spec, reads")
+  p.add_argument("--reads-model", default="qwen3-1.7b", choices=list(SHAPES),
+                 help="model of the reads stage (whole against chunked dense-cache reads)")
+  p.add_argument("--reads-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--paged-batch", type=int, default=64)
   p.add_argument("--paged-context", type=int, default=2048,
                  help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
@@ -94,7 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="tiny shapes and batches (a check that the script runs, not a benchmark)")
   if "--smoke" in (sys.argv[1:] if argv is None else argv):  # other defaults; flags still apply
     p.set_defaults(models=["smoke"], spec_model="smoke", batches=[1, 4], spec_batches=[2],
-                   prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64)
+                   prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64,
+                   reads_model="smoke", reads_batches=[2])
   a = p.parse_args(argv)
   for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "paged_batch",
                "paged_context"):
@@ -102,11 +112,11 @@ def parse_args(argv=None) -> argparse.Namespace:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   for stage in a.stages:
     name, _, shape = stage.partition("=")
-    if name not in ("paged", "decode", "spec") or (shape and (name != "decode"
+    if name not in ("paged", "decode", "spec", "reads") or (shape and (name != "decode"
                                                                or shape not in SHAPES)):
       p.error(f"--stages: {stage!r} is not paged, decode, decode=SHAPE (one of "
-              f"{', '.join(SHAPES)}) or spec")
-  if any(b < 1 for b in a.batches + a.spec_batches):
+              f"{', '.join(SHAPES)}), spec or reads")
+  if any(b < 1 for b in a.batches + a.spec_batches + a.reads_batches):
     p.error("batches must be >= 1")
   return a
 
@@ -184,46 +194,85 @@ def timed_calls(fn):
   return first, time.perf_counter() - t0, out
 
 
+def decode_row(a, model, graphdef, params, b: int, bandwidth: float) -> dict:
+  """One batch of the plain loop: step time from the timed decode segment, against the roof."""
+  scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0)
+  prompts, lengths = prompts_for(b, a.prompt_len, model.cfg.vocab_size, a.seed + b)
+  run = lambda i: generate((graphdef, params), prompts, lengths, jax.random.key(i), scfg,
+                           engine=STATIC)
+  try:
+    first, call, out = timed_calls(run)
+  except Exception as e:  # e.g. out of memory at the largest batch: keep the other rows
+    return {"batch": b, "error": f"{type(e).__name__}: {str(e)[:500]}"}
+  seg = out.segments[0]
+  step_s = seg.seconds / max(seg.iterations, 1)
+  nbytes = step_bytes(model, b, a.prompt_len + a.new_tokens)
+  roof_s = nbytes / (bandwidth * 1e9)
+  flops = 2.0 * model.cfg.num_params() * b
+  return {"batch": b, "first_call_s": first, "call_s": call, "steps": seg.iterations,
+          "step_ms": 1e3 * step_s, "tokens_per_s": b / step_s, "fixed_s": call - seg.seconds,
+          "step_gbytes": nbytes / 1e9, "roof_step_ms": 1e3 * roof_s,
+          "roof_fraction": roof_s / step_s, "achieved_gbps": nbytes / step_s / 1e9,
+          "achieved_tflops": flops / step_s / 1e12, "peak_memory_gb": peak_memory_gb()}
+
+
+def log_row(label: str, row: dict) -> None:
+  if "error" in row:
+    log(f"{label}: failed ({row['error'][:200]})")
+    return
+  log(f"{label}: {row['step_ms']:8.2f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
+      f"roof {row['roof_step_ms']:7.2f} ms ({100 * row['roof_fraction']:5.1f}%)  "
+      f"{row['achieved_tflops']:6.1f} TFLOP/s  first call {row['first_call_s']:6.1f} s")
+
+
 def decode_stage(a, shape: str, bandwidth: float, results: dict) -> None:
   t0 = time.perf_counter()
   model = build_target(shape, a.dtype, a.draft_layers, a.seed)
   graphdef, params = nnx.split(model)
   log(f"{shape}: {model.cfg.num_params() / 1e9:.2f}B parameters built in "
       f"{time.perf_counter() - t0:.1f} s")
-  scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0)
   rows = []
   for b in a.batches:
     if over_budget(a, f"{shape} decode batch {b}", results):
       break
-    prompts, lengths = prompts_for(b, a.prompt_len, model.cfg.vocab_size, a.seed + b)
-    run = lambda i: generate((graphdef, params), prompts, lengths, jax.random.key(i), scfg,
-                             engine=STATIC)
-    try:
-      first, call, out = timed_calls(run)
-    except Exception as e:  # e.g. out of memory at the largest batch: keep the other rows
-      log(f"{shape} batch {b}: failed ({type(e).__name__}: {str(e)[:200]})")
-      rows.append({"batch": b, "error": f"{type(e).__name__}: {str(e)[:500]}"})
-      continue
-    seg = out.segments[0]
-    step_s = seg.seconds / max(seg.iterations, 1)
-    cache_size = a.prompt_len + a.new_tokens
-    nbytes = step_bytes(model, b, cache_size)
-    roof_s = nbytes / (bandwidth * 1e9)
-    flops = 2.0 * model.cfg.num_params() * b
-    row = {"batch": b, "first_call_s": first, "call_s": call, "steps": seg.iterations,
-           "step_ms": 1e3 * step_s, "tokens_per_s": b / step_s, "fixed_s": call - seg.seconds,
-           "step_gbytes": nbytes / 1e9, "roof_step_ms": 1e3 * roof_s,
-           "roof_fraction": roof_s / step_s, "achieved_gbps": nbytes / step_s / 1e9,
-           "achieved_tflops": flops / step_s / 1e12, "peak_memory_gb": peak_memory_gb()}
-    rows.append(row)
-    log(f"{shape} batch {b:4d}: {row['step_ms']:8.2f} ms/step  {row['tokens_per_s']:9.0f} tok/s  "
-        f"roof {row['roof_step_ms']:7.2f} ms ({100 * row['roof_fraction']:5.1f}%)  "
-        f"{row['achieved_tflops']:6.1f} TFLOP/s  first call {first:6.1f} s")
+    rows.append(decode_row(a, model, graphdef, params, b, bandwidth))
+    log_row(f"{shape} batch {b:4d}", rows[-1])
     results.setdefault("decode", {})[shape] = rows
     write(a, results)
   results.setdefault("decode", {})[shape] = rows
   write(a, results)
-  model = graphdef = params = None  # (freed: the lambdas above hold the cells)
+  model = graphdef = params = None
+  gc.collect()
+
+
+def reads_stage(a, bandwidth: float, results: dict) -> None:
+  """The plain loop's step with the dense cache read whole (the default off the CPU) against
+  read in chunks up to the live extent (the CPU default, forced here), at --reads-model."""
+  shape = a.reads_model
+  model = build_target(shape, a.dtype, a.draft_layers, a.seed)
+  graphdef, params = nnx.split(model)
+  saved = cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES
+  modes = {"whole": ((), saved[1]), "chunked": ((jax.default_backend(),), 0)}
+  rows = []
+  try:
+    for b in a.reads_batches:
+      if over_budget(a, f"reads batch {b}", results):
+        break
+      row = {"batch": b}
+      for mode, (backends, floor) in modes.items():
+        cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES = backends, floor
+        jax.clear_caches()  # the constants are read at trace time
+        row[mode] = decode_row(a, model, graphdef, params, b, bandwidth)
+        log_row(f"{shape} batch {b:4d} cache read {mode:7s}", row[mode])
+      if "step_ms" in row["whole"] and "step_ms" in row["chunked"]:
+        row["chunked_over_whole"] = row["chunked"]["step_ms"] / row["whole"]["step_ms"]
+      rows.append(row)
+      results["reads"] = {"model": shape, "cache_chunk": cache.CACHE_CHUNK, "rows": rows}
+      write(a, results)
+  finally:
+    cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES = saved
+    jax.clear_caches()
+  model = graphdef = params = None
   gc.collect()
 
 
@@ -349,8 +398,9 @@ def paged_stage(a, results: dict) -> None:
     row = {"tokens": t, "batch": a.paged_batch, "max_len": int(lengths.max()),
            "mean_len": float(lengths.mean()), "kv_gbytes": kv_bytes / 1e9, "dtype": a.dtype}
     for impl in impls:
-      fn = jax.jit(kernel) if impl == "pallas" else jax.jit(
-          lambda *x, impl=impl: paged.paged_attention(*x, implementation=impl))
+      fn = jax.jit(kernel if impl == "pallas" else paged.paged_attention_reference
+                   if impl == "reference" else functools.partial(paged.paged_attention_chunked,
+                                                                 min_bytes=0))
       try:
         jax.block_until_ready(fn(*args))
         times = []
@@ -443,6 +493,8 @@ def main(argv=None) -> dict:
           decode_stage(a, shape, bandwidth, results)
     if stage == "spec" and a.spec_model and not over_budget(a, "speculative", results):
       spec_stage(a, results)
+    if stage == "reads" and not over_budget(a, "reads", results):
+      reads_stage(a, bandwidth, results)
   log(f"done: {a.out}")
   return results
 

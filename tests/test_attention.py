@@ -194,3 +194,32 @@ def test_cache_attention_in_chunks_equals_reading_the_whole_cache_and_reads_only
   np.testing.assert_allclose(chunked, whole, atol=1e-5, rtol=1e-5)
   # the whole read touches them (the check above is not vacuous)
   assert np.isnan(np.asarray(attend_cache(q, k_nan, v_nan, mask, chunk=s))).any()
+
+
+def test_cache_attention_reads_in_chunks_only_on_the_chunked_read_backends(monkeypatch):
+  """By default `attend_cache` and the pure-JAX paged path loop over chunks on CPU (for buffers
+  past the byte floor) and read whole elsewhere: on a GPU a loop of dynamic length hands its
+  condition to the host at every iteration. The backend list is read at trace time."""
+  from specjax.models import cache, paged
+  from specjax.models.layers import attend_cache
+  b, s, h, hkv, dh = 2, 64, 4, 2, 8
+  q = jnp.ones((b, 1, h, dh))
+  k, v = jnp.ones((b, hkv, dh, s)), jnp.ones((b, hkv, s, dh))
+  mask = jnp.ones((b, 1, s), bool)
+  pool = jnp.ones((hkv, 8, 8, dh))
+  table, lengths, start = jnp.arange(8).reshape(b, 4), jnp.full((b,), 32), jnp.full((b,), 31)
+  monkeypatch.setattr(cache, "CACHE_CHUNK", 16)
+  monkeypatch.setattr(cache, "CACHE_CHUNK_MIN_BYTES", 0)
+
+  def loops() -> tuple[bool, bool]:  # (fresh functions: traces are cached per function)
+    dense = jax.make_jaxpr(lambda *a: attend_cache(*a))(q, k, v, mask)
+    pages = jax.make_jaxpr(lambda *a: paged.paged_attention_chunked(*a))(
+        q, pool, pool, table, lengths, start)
+    return "while" in str(dense), "while" in str(pages)
+
+  assert jax.default_backend() == "cpu" and loops() == (True, True)
+  monkeypatch.setattr(cache, "CHUNKED_READ_BACKENDS", ("gpu",))
+  assert loops() == (False, False)
+  # an explicit byte floor still chooses the chunked read on any backend
+  assert "while" in str(jax.make_jaxpr(
+      lambda *a: attend_cache(*a, min_bytes=0))(q, k, v, mask))

@@ -18,6 +18,8 @@ positions 1.15x faster at 8 rows and 1.36x at 32; docs/BENCHMARKS.md, "KV-cache 
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 from flax import struct
@@ -31,6 +33,18 @@ from flax import struct
 # row of that target) the loop's fixed cost outweighs what it saves.
 CACHE_CHUNK = 128
 CACHE_CHUNK_MIN_BYTES = 256 * 1024
+# Backends whose cached attention reads in chunks; elsewhere it reads whole. The loop's trip
+# count is dynamic, and on a GPU such a loop hands its condition back to the host at every
+# iteration, while a whole read runs at the device's bandwidth: on an H100 the chunked paged
+# path took 1.66x the time of the whole gather (docs/BENCHMARKS.md, "GPU").
+CHUNKED_READ_BACKENDS = ("cpu",)
+
+
+def chunk_min_bytes() -> int:
+  """The smallest key buffer (bytes per layer) that attention reads in chunks on the default
+  backend: `CACHE_CHUNK_MIN_BYTES` on the `CHUNKED_READ_BACKENDS`, else none (read at trace
+  time)."""
+  return CACHE_CHUNK_MIN_BYTES if jax.default_backend() in CHUNKED_READ_BACKENDS else sys.maxsize
 
 
 @struct.dataclass

@@ -96,10 +96,11 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   Reads only the cache's live extent (up to the last position any query sees), in about `chunk`
   positions at a time with an online softmax: the loop's trip count is dynamic, so one compiled
   program serves every length and a step over short rows does not read the rest of the buffers.
-  Key buffers under `min_bytes`, or of one chunk, are read whole (defaults: `CACHE_CHUNK`,
-  `CACHE_CHUNK_MIN_BYTES` in `specjax.models.cache`, read at trace time)."""
+  Key buffers under `min_bytes`, or of one chunk, are read whole (defaults: `CACHE_CHUNK` and
+  `chunk_min_bytes()` in `specjax.models.cache`, read at trace time: off the CPU, every buffer
+  is read whole)."""
   chunk = cache_lib.CACHE_CHUNK if chunk is None else int(chunk)
-  min_bytes = cache_lib.CACHE_CHUNK_MIN_BYTES if min_bytes is None else int(min_bytes)
+  min_bytes = cache_lib.chunk_min_bytes() if min_bytes is None else int(min_bytes)
   b, t, h, dh = q.shape
   hkv, s = k.shape[1], k.shape[-1]
   n_max = -(-s // max(1, chunk))

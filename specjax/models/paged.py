@@ -249,12 +249,12 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   time (whole pages) with an online softmax, up to the last page any row has a visible key on: a
   dynamic trip count, so a step over short rows gathers only their first pages (as
   `layers.attend_cache` reads a dense cache). Gathers of under `min_bytes` of keys, or of one
-  chunk, are the reference itself (defaults: `cache.CACHE_CHUNK`, `cache.CACHE_CHUNK_MIN_BYTES`)."""
+  chunk, are the reference itself (defaults: `cache.CACHE_CHUNK`, `cache.chunk_min_bytes()`)."""
   pk, pv, layer = _stacked(pool_k, pool_v, layer)
   _, hkv, num_pages, page_size, dh = pk.shape
   b, t, h, _ = q.shape
   chunk = cache_lib.CACHE_CHUNK if chunk is None else int(chunk)
-  min_bytes = cache_lib.CACHE_CHUNK_MIN_BYTES if min_bytes is None else int(min_bytes)
+  min_bytes = cache_lib.chunk_min_bytes() if min_bytes is None else int(min_bytes)
   n = _pages_read(page_table, page_size, max_len)
   per = max(1, chunk // page_size)
   n_max = -(-n // per)

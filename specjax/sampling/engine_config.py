@@ -28,7 +28,7 @@ class EngineConfig:
   min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
   max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
   # a step's program sees cache positions < block * 2^j >= the longest live row (0: the whole
-  # cache, of which attention reads only the live part: `models.cache.CACHE_CHUNK`); each
+  # cache, of which attention on CPU reads only the live part: `models.cache.CACHE_CHUNK`); each
   # window is one more compiled program per (bucket, K), so it is off unless asked for
   window_block: int = 0
   adaptive: bool = True  # choose K per bucket (else the drafter's draft_len throughout)
