@@ -4,7 +4,7 @@ against the memory-read roof at Qwen3-1.7B and Qwen3-8B shapes (random weights, 
 times and peak device memory. JSON out, written after every stage, so a run stopped at its time
 limit keeps what it measured.
 
-  python experiments/bench_gpu.py --out runs/bench_gpu.json      # one H100: about 5 minutes
+  python experiments/bench_gpu.py --out runs/bench_gpu.json      # H100: 291 s without `reads`
   python experiments/bench_gpu.py --smoke                        # tiny shapes, any machine, seconds
 
 Needs jax, flax, optax, numpy, safetensors, tokenizers, jinja2, tqdm (a GPU image's usual set);
@@ -29,7 +29,9 @@ What each figure is:
 - reads: the plain loop's decode step (as in decode) at --reads-model and --reads-batches with
   the dense KV cache read whole (the default off the CPU) and read in chunks up to the live
   extent (the CPU default, forced): a chunked read is a loop of dynamic length, whose condition
-  a GPU hands back to the host at every iteration.
+  a GPU hands back to the host at every iteration. Beside each, the bare chain: one cached
+  forward of every row over the full cache plus its argmax, 8 in a loop of fixed length
+  (`specjax.sim.measure.time_forward`), so the step's cost beyond its forward shows.
 - speculative: the target's layers from --draft-layers on have zero output projections (as a
   grown policy's new layers do), so a draft model made of its first --draft-layers layers
   computes the target's distribution exactly and drafts are accepted (acceptance length close to
@@ -61,6 +63,7 @@ from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.models import cache, paged  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, generate, speculative_generate)
+from specjax.sim.measure import time_forward  # noqa: E402
 
 SHAPES = {  # Qwen3 config.json values; random weights
     "qwen3-1.7b": dict(hidden_size=2048, num_layers=28, num_heads=16, num_kv_heads=8,
@@ -86,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--spec-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--draft-len", type=int, default=4)
   p.add_argument("--draft-layers", type=int, default=2)
-  p.add_argument("--stages", nargs="+", default=["paged", "decode", "spec", "reads"],
+  p.add_argument("--stages", nargs="+", default=["paged", "reads", "decode", "spec"],
                  help="stages to run, in this order: paged, decode (every --models shape), "
                       "decode=SHAPE (one shape), spec, reads")
   p.add_argument("--reads-model", default="qwen3-1.7b", choices=list(SHAPES),
@@ -264,6 +267,11 @@ def reads_stage(a, bandwidth: float, results: dict) -> None:
         jax.clear_caches()  # the constants are read at trace time
         row[mode] = decode_row(a, model, graphdef, params, b, bandwidth)
         log_row(f"{shape} batch {b:4d} cache read {mode:7s}", row[mode])
+        if "step_ms" in row[mode]:  # the bare chain: cached forwards + argmax in a fixed loop
+          forward_s, _ = time_forward(model, b, 1, a.prompt_len + a.new_tokens)
+          row[mode]["forward_ms"] = 1e3 * forward_s
+          log(f"{shape} batch {b:4d} cache read {mode:7s}: bare forward {1e3 * forward_s:8.2f} "
+              f"ms (the engine's step is {row[mode]['step_ms'] / (1e3 * forward_s):.2f}x it)")
       if "step_ms" in row["whole"] and "step_ms" in row["chunked"]:
         row["chunked_over_whole"] = row["chunked"]["step_ms"] / row["whole"]["step_ms"]
       rows.append(row)

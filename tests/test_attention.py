@@ -196,6 +196,26 @@ def test_cache_attention_in_chunks_equals_reading_the_whole_cache_and_reads_only
   assert np.isnan(np.asarray(attend_cache(q, k_nan, v_nan, mask, chunk=s))).any()
 
 
+def test_cache_attention_read_in_chunks_has_the_whole_reads_gradient():
+  """A loop of dynamic length has no reverse mode: the chunked read's gradient is the whole
+  read's (EAGLE-3's training-time test differentiates through cached attention)."""
+  from specjax.models.layers import attend_cache
+  b, s, t, h, hkv, dh = 2, 37, 3, 4, 2, 8
+  ks = jax.random.split(jax.random.key(5), 4)
+  q = jax.random.normal(ks[0], (b, t, h, dh))
+  k = jax.random.normal(ks[1], (b, hkv, dh, s))
+  v = jax.random.normal(ks[2], (b, hkv, s, dh))
+  w = jax.random.normal(ks[3], (b, t, h, dh))
+  qpos = jnp.array([20, 9])[:, None] + jnp.arange(t)[None]
+  mask = jnp.arange(s)[None, None, :] <= qpos[:, :, None]
+  loss = lambda chunk, min_bytes: lambda q, k, v: jnp.sum(
+      w * attend_cache(q, k, v, mask, chunk=chunk, min_bytes=min_bytes))
+  want = jax.grad(loss(s, None), argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(loss(8, 0), argnums=(0, 1, 2)))(q, k, v)
+  for g, x in zip(got, want):
+    np.testing.assert_allclose(g, x, atol=1e-5, rtol=1e-5)
+
+
 def test_cache_attention_reads_in_chunks_only_on_the_chunked_read_backends(monkeypatch):
   """By default `attend_cache` and the pure-JAX paged path loop over chunks on CPU (for buffers
   past the byte floor) and read whole elsewhere: on a GPU a loop of dynamic length hands its

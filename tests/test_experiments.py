@@ -182,6 +182,7 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   assert paged["engine_greedy"]["rows_identical"] == paged["engine_greedy"]["rows"] == 16
   (reads,) = data["reads"]["rows"]  # whole and chunked dense-cache reads, side by side
   assert reads["whole"]["step_ms"] > 0 and reads["chunked"]["step_ms"] > 0
+  assert reads["whole"]["forward_ms"] > 0 and reads["chunked"]["forward_ms"] > 0
   arms = data["speculative"]["rows"][0]["arms"]
   assert set(arms) == {"ar", "spec_static", "spec_adaptive"}
   # layers past the draft's have zero output projections: the draft model is the target

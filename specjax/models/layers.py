@@ -6,6 +6,7 @@ sharding rules in `specjax.sharding` map those names to mesh axes.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -98,20 +99,35 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   program serves every length and a step over short rows does not read the rest of the buffers.
   Key buffers under `min_bytes`, or of one chunk, are read whole (defaults: `CACHE_CHUNK` and
   `chunk_min_bytes()` in `specjax.models.cache`, read at trace time: off the CPU, every buffer
-  is read whole)."""
+  is read whole). Either way differentiable: a loop of dynamic length has no reverse mode, so
+  the chunked read's gradient is the whole read's (EAGLE-3's training-time test attends over a
+  cache)."""
   chunk = cache_lib.CACHE_CHUNK if chunk is None else int(chunk)
   min_bytes = cache_lib.chunk_min_bytes() if min_bytes is None else int(min_bytes)
+  s = k.shape[-1]
+  n_max = -(-s // max(1, chunk))
+  if n_max == 1 or k.size * k.dtype.itemsize < min_bytes:
+    return _attend_cache_whole(q, k, v, mask)
+  return _attend_cache_chunked(q, k, v, mask, -(-s // n_max))  # chunks of equal width
+
+
+def _attend_cache_whole(q, k, v, mask):
+  b, t, h, dh = q.shape
+  hkv = k.shape[1]
+  q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
+  scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
+  probs = _attention_probs(scores, mask, dh, v.dtype)
+  probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _attend_cache_chunked(q, k, v, mask, c: int):
   b, t, h, dh = q.shape
   hkv, s = k.shape[1], k.shape[-1]
-  n_max = -(-s // max(1, chunk))
+  n_max = -(-s // c)
   q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
-  if n_max == 1 or k.size * k.dtype.itemsize < min_bytes:  # read whole
-    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
-    probs = _attention_probs(scores, mask, dh, v.dtype)
-    probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
-  c = -(-s // n_max)  # chunks of equal width covering the buffers
   pos = jnp.arange(s, dtype=jnp.int32)
   extent = jnp.max(jnp.where(mask, pos + 1, 0))
   n = jnp.clip((extent + c - 1) // c, 1, n_max)
@@ -131,6 +147,19 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   carry = online_softmax_init((b, hkv, h // hkv, t), dh)
   out = online_softmax_result(jax.lax.fori_loop(0, n, body, carry)).astype(v.dtype)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+def _attend_cache_chunked_fwd(q, k, v, mask, c):
+  return _attend_cache_chunked(q, k, v, mask, c), (q, k, v, mask)
+
+
+def _attend_cache_chunked_bwd(c, residuals, g):
+  q, k, v, mask = residuals
+  _, vjp = jax.vjp(lambda q, k, v: _attend_cache_whole(q, k, v, mask), q, k, v)
+  return (*vjp(g), None)
+
+
+_attend_cache_chunked.defvjp(_attend_cache_chunked_fwd, _attend_cache_chunked_bwd)
 
 
 class Attention(nnx.Module):
