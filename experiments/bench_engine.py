@@ -28,9 +28,10 @@ the engine before it shared). --no-accept adds a random target (init std 0.02, n
 whose n-gram drafts are never accepted, at batch 1, 8, 32: adaptivity must cost nothing there; at
 batch 1 it also times AR's decode loop against two roofs, a 512 MB read and a bare chain of the
 target's own matrix-vector products, in turn within each round (the machine's bandwidth drifts by
-up to 2x between minutes). Every arm runs once untimed (compiles, calibrates), then --repeats
-rounds in which each arm runs once in turn (interleaved: a drift in the machine's speed hits every
-arm alike); medians, and paired per-round ratios. Prints tables, writes JSON. Asserts nothing.
+up to 2x between minutes). Every arm runs once untimed (compiles, calibrates: all buckets ahead,
+as RL rollouts do, so no timed run compiles), then --repeats rounds in which each arm runs once
+in turn (interleaved: a drift in the machine's speed hits every arm alike); medians, and paired
+per-round ratios. Prints tables, writes JSON. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -286,11 +287,14 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig,
   key = lambda i: jax.random.key(a.seed * 1000 + i)
   tunings = []
   share = dict(share_prefill=not a.no_share_prefill)
+  # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
+  # timed run compiles a bucket the untimed one did not reach
+  ahead = dict(share, compile_ahead=True)
   static = dataclasses.replace(STATIC, **share)
   arms = {
       "ar_static": lambda i: generate(target, prompts, lens, key(i), cfg, engine=static),
       "ar_compact": lambda i: generate(target, prompts, lens, key(i), cfg,
-                                       engine=EngineConfig(adaptive=False, **share)),
+                                       engine=EngineConfig(adaptive=False, **ahead)),
   }
   for name, (drafter, params) in drafters.items():
     prefix = "spec" if name == a.drafters[0] else name
@@ -299,7 +303,7 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig,
         target, d, p, prompts, lens, key(i), cfg, draft_len=a.static_k, engine=static)
     arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params, t=tunings[-1]: \
         speculative_generate(target, d, p, prompts, lens, key(i), cfg, draft_len=a.max_draft_len,
-                             engine=EngineConfig(max_draft_len=a.max_draft_len, **share),
+                             engine=EngineConfig(max_draft_len=a.max_draft_len, **ahead),
                              tuning=t)
   t0 = time.perf_counter()
   out = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
@@ -398,7 +402,7 @@ def no_accept(a, log) -> dict:
                                                       engine=STATIC),
         "spec_adaptive": lambda i, t=EngineTuning(): speculative_generate(
             target, drafter, (), toks, lens, key(i), cfg, draft_len=a.max_draft_len,
-            engine=EngineConfig(max_draft_len=a.max_draft_len), tuning=t),
+            engine=EngineConfig(max_draft_len=a.max_draft_len, compile_ahead=True), tuning=t),
     }
     rows = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
     for name, rec in rows.items():

@@ -7,8 +7,9 @@ slots full (continuous batching) beat running the queue in waves?
 
 Workload and target as in `bench_engine.py` (a synthetic Markov language, a target whose LM head
 is fitted to it, an EOS set chosen so completion lengths are long-tailed: 10th/50th/90th
-percentile near 10/25/100% of max_new_tokens), temperature 1. Arms (same prompts; every arm runs
-once untimed, then --repeats interleaved rounds):
+percentile near 10/25/100% of max_new_tokens), temperature 1. Arms (same prompts; every arm
+compiles all its buckets before its first segment, as RL rollouts do (`compile_ahead`), runs once
+untimed, then --repeats interleaved rounds):
   waves            AR, the queue cut into batches of `--slots` rows, one `generate` call each (the
                    engine without a queue: each batch waits for its longest row, compaction in
                    its tail)
@@ -135,15 +136,18 @@ def main(argv=None) -> dict:
   drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, a.draft_layers),
                                                   draft_len=a.draft_len)
   tunings = collections.defaultdict(EngineTuning)
-  queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction)
-  plain = EngineConfig()
+  # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
+  # timed call compiles a bucket the untimed one did not reach
+  queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction, compile_ahead=True)
+  plain = EngineConfig(compile_ahead=True)
   # one KV budget: what `budget_rows` dense rows take (AR: prompt + max_new positions each)
   budget_rows = a.kv_budget_rows or max(a.slots // 2, a.group)
   token_bytes = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 4
   budget_gb = budget_rows * (prompts.shape[1] + a.max_new) * token_bytes / 2**30
-  dense = EngineConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction)
+  dense = EngineConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction,
+                       compile_ahead=True)
   paged = EngineConfig(max_rows=a.paged_slots or 2 * a.slots,
-                       refill_fraction=a.refill_fraction,
+                       refill_fraction=a.refill_fraction, compile_ahead=True,
                        kv_cache_gb=budget_gb, page_size=a.page_size, page_ahead=a.page_ahead)
 
   def waves(i: int, spec: bool):
