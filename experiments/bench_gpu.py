@@ -95,6 +95,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--reads-model", default="qwen3-1.7b", choices=list(SHAPES),
                  help="model of the reads stage (whole against chunked dense-cache reads)")
   p.add_argument("--reads-batches", nargs="+", type=int, default=[1, 64])
+  p.add_argument("--reads-chunk", type=int, default=None,
+                 help="cache positions per chunk of the chunked arm (default: the library's)")
   p.add_argument("--paged-batch", type=int, default=64)
   p.add_argument("--paged-context", type=int, default=2048,
                  help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
@@ -107,7 +109,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   if "--smoke" in (sys.argv[1:] if argv is None else argv):  # other defaults; flags still apply
     p.set_defaults(models=["smoke"], spec_model="smoke", batches=[1, 4], spec_batches=[2],
                    prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64,
-                   reads_model="smoke", reads_batches=[2])
+                   reads_model="smoke", reads_batches=[2], reads_chunk=4)
   a = p.parse_args(argv)
   for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "paged_batch",
                "paged_context"):
@@ -248,37 +250,50 @@ def decode_stage(a, shape: str, bandwidth: float, results: dict) -> None:
   gc.collect()
 
 
+def attention_loops(model: Decoder, batch: int, size: int) -> bool:
+  """Whether one cached forward over a full `size`-position cache reads it in a loop (chunks),
+  with the cache constants as they are now."""
+  graphdef, params = nnx.split(model)
+  kv = model.init_cache(batch, size).with_lengths(jnp.full((batch,), size - 1, jnp.int32))
+  forward = lambda p, kv: nnx.merge(graphdef, p)(jnp.ones((batch, 1), jnp.int32), cache=kv).logits
+  return "while" in str(jax.make_jaxpr(forward)(params, kv))
+
+
 def reads_stage(a, bandwidth: float, results: dict) -> None:
   """The plain loop's step with the dense cache read whole (the default off the CPU) against
   read in chunks up to the live extent (the CPU default, forced here), at --reads-model."""
   shape = a.reads_model
   model = build_target(shape, a.dtype, a.draft_layers, a.seed)
   graphdef, params = nnx.split(model)
-  saved = cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES
-  modes = {"whole": ((), saved[1]), "chunked": ((jax.default_backend(),), 0)}
+  saved = cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES, cache.CACHE_CHUNK
+  chunk = a.reads_chunk or saved[2]
+  modes = {"whole": ((), saved[1], saved[2]), "chunked": ((jax.default_backend(),), 0, chunk)}
+  size = a.prompt_len + a.new_tokens
   rows = []
   try:
     for b in a.reads_batches:
       if over_budget(a, f"reads batch {b}", results):
         break
       row = {"batch": b}
-      for mode, (backends, floor) in modes.items():
-        cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES = backends, floor
+      for mode, (backends, floor, width) in modes.items():
+        cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES, cache.CACHE_CHUNK = \
+            backends, floor, width
         jax.clear_caches()  # the constants are read at trace time
         row[mode] = decode_row(a, model, graphdef, params, b, bandwidth)
+        row[mode]["attention_loops"] = attention_loops(model, b, size)
         log_row(f"{shape} batch {b:4d} cache read {mode:7s}", row[mode])
         if "step_ms" in row[mode]:  # the bare chain: cached forwards + argmax in a fixed loop
-          forward_s, _ = time_forward(model, b, 1, a.prompt_len + a.new_tokens)
+          forward_s, _ = time_forward(model, b, 1, size)
           row[mode]["forward_ms"] = 1e3 * forward_s
           log(f"{shape} batch {b:4d} cache read {mode:7s}: bare forward {1e3 * forward_s:8.2f} "
               f"ms (the engine's step is {row[mode]['step_ms'] / (1e3 * forward_s):.2f}x it)")
       if "step_ms" in row["whole"] and "step_ms" in row["chunked"]:
         row["chunked_over_whole"] = row["chunked"]["step_ms"] / row["whole"]["step_ms"]
       rows.append(row)
-      results["reads"] = {"model": shape, "cache_chunk": cache.CACHE_CHUNK, "rows": rows}
+      results["reads"] = {"model": shape, "cache_chunk": chunk, "rows": rows}
       write(a, results)
   finally:
-    cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES = saved
+    cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES, cache.CACHE_CHUNK = saved
     jax.clear_caches()
   model = graphdef = params = None
   gc.collect()

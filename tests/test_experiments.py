@@ -183,6 +183,7 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   (reads,) = data["reads"]["rows"]  # whole and chunked dense-cache reads, side by side
   assert reads["whole"]["step_ms"] > 0 and reads["chunked"]["step_ms"] > 0
   assert reads["whole"]["forward_ms"] > 0 and reads["chunked"]["forward_ms"] > 0
+  assert reads["chunked"]["attention_loops"] and not reads["whole"]["attention_loops"]
   arms = data["speculative"]["rows"][0]["arms"]
   assert set(arms) == {"ar", "spec_static", "spec_adaptive"}
   # layers past the draft's have zero output projections: the draft model is the target
