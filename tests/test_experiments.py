@@ -173,6 +173,7 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   (row,) = data["decode"]["smoke"]
   assert row["batch"] == 2 and row["steps"] == 7 and row["step_ms"] > 0  # the prefill emits 1 of 8
   assert 0 < row["roof_fraction"] and row["step_gbytes"] > 0
+  assert len(row["calls_s"]) == 2 and row["call_s"] == min(row["calls_s"])  # --repeats 2
   paged = data["paged"]  # the Pallas kernel in interpret mode here
   assert paged["interpret"] and len(paged["checks"]) == 8
   for check in paged["checks"]:
