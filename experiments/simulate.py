@@ -24,7 +24,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specjax.sim import bench_data, calibrate, catalog, machine_fit, report  # noqa: E402
 from specjax.sim.advise import DEFAULT_DRAFTERS, advice_text, advise  # noqa: E402
+from specjax.sim.calibrate import BENCH_FIELDS  # noqa: E402
 from specjax.sim.drafter_costs import DRAFTER_COSTS, EAGLE3  # noqa: E402
+from specjax.sim.factors import efficiency_for  # noqa: E402
 from specjax.sim.simulate import ENGINES, MODES, Scenario, compare  # noqa: E402
 from specjax.sim.workload import WORKLOADS  # noqa: E402
 
@@ -65,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--calibrate", action="store_true",
                  help="fit efficiency factors to the paper's cases (+ --bench-json)")
   p.add_argument("--bench-json", action="append", default=[])
+  p.add_argument("--bench-only", action="store_true",
+                 help="--calibrate: fit the --bench-json cases alone (one hardware), from that "
+                      "hardware's current factors, and print them before and after")
+  p.add_argument("--fit-fields", nargs="+", default=None,
+                 help="--calibrate: the factors fitted (default: the paper's; with --bench-only: "
+                      f"{' '.join(BENCH_FIELDS)})")
   p.add_argument("--engine", choices=ENGINES, default="vllm",
                  help="rollout engine model: vLLM-like, specjax's bucketed engine (static cache "
                       "per row) or specjax's queue-fed paged engine (specjax-continuous)")
@@ -131,11 +139,13 @@ def build_scenario(a: argparse.Namespace) -> Scenario:
 
 
 def run_calibration(a: argparse.Namespace) -> dict:
+  if a.bench_only:
+    return run_bench_calibration(a)
   cases = calibrate.paper_cases()
   for path in a.bench_json:
     cases += bench_data.cases_from_benchmark_json(path)
-  eff = calibrate.fit_efficiency(cases)  # from the nominal Efficiency() values
-  rows = calibrate.report(cases, eff)
+  eff = calibrate.fit_efficiency(cases, fields=a.fit_fields or calibrate.PAPER_FIELDS)
+  rows = calibrate.report(cases, eff)  # (from the nominal Efficiency() values)
   if not a.json:
     print("fitted efficiency factors (gb200):")
     for k, v in dataclasses.asdict(eff).items():
@@ -145,6 +155,33 @@ def run_calibration(a: argparse.Namespace) -> dict:
       print(f"| {r['case']} | {r['measured_s']:.1f} | {r['simulated_s']:.1f} | "
             f"{100 * r['error']:+.1f}% | {r['weight']:g} |")
   return {"efficiency": dataclasses.asdict(eff), "cases": rows}
+
+
+def run_bench_calibration(a: argparse.Namespace) -> dict:
+  """One hardware's factors from its measured decode steps alone (e.g. bench_gpu.py's JSON):
+  the steps as the current factors predict them, the fit, and the steps as it predicts them."""
+  if not a.bench_json:
+    raise SystemExit("--bench-only: give the measured cases with --bench-json")
+  cases = [c for path in a.bench_json for c in bench_data.cases_from_benchmark_json(path)]
+  names = sorted({c.probe.hardware.name for c in cases})
+  if len(names) != 1:
+    raise SystemExit(f"--bench-only: the cases must come from one hardware, got {names}")
+  fields = a.fit_fields or BENCH_FIELDS
+  before = efficiency_for(names[0])
+  eff = calibrate.fit_efficiency(cases, before, fields, iters=100)
+  rows_before, rows = calibrate.report(cases, before), calibrate.report(cases, eff)
+  if not a.json:
+    print(f"{names[0]}: {len(cases)} measured steps; fitted {', '.join(fields)}:")
+    for k in fields:
+      print(f"  {k} = {getattr(eff, k):.4g} (was {getattr(before, k):.4g})")
+    print("\n| case | measured ms | current factors ms | error | fitted ms | error |\n"
+          "|---|---:|---:|---:|---:|---:|")
+    for r0, r in zip(rows_before, rows):
+      print(f"| {r['case']} | {1e3 * r['measured_s']:.2f} | {1e3 * r0['simulated_s']:.2f} | "
+            f"{100 * r0['error']:+.1f}% | {1e3 * r['simulated_s']:.2f} | {100 * r['error']:+.1f}% |")
+  return {"hardware": names[0], "fields": list(fields),
+          "efficiency_before": dataclasses.asdict(before), "efficiency": dataclasses.asdict(eff),
+          "cases_before": rows_before, "cases": rows}
 
 
 def run_sweep(a: argparse.Namespace, s: Scenario) -> dict:
@@ -214,7 +251,6 @@ def run_validation(a: argparse.Namespace) -> dict:
           f"{out['held_out_by_group']}\nheld-out rollouts x load factor: "
           f"{out['held_out_rollouts_load_scaled']}")
   if a.plot:
-    from specjax.sim.factors import efficiency_for
     paper = [{"case": r["case"], "measured_s": r["measured_s"], "predicted_s": r["simulated_s"],
               "group": "paper", "split": "fit" if r["weight"] >= 0.5 else "low weight"}
              for r in calibrate.report(calibrate.paper_cases(), efficiency_for("gb200"))]

@@ -157,6 +157,48 @@ def test_fit_recovers_known_factors_from_benchmark_json(tmp_path):
     assert getattr(fit, f) == pytest.approx(getattr(truth, f), rel=0.02), f
 
 
+def gpu_benchmark_json(truth, kind="NVIDIA H100 80GB HBM3", dtype="bfloat16") -> dict:
+  """bench_gpu.py's JSON (the fields the calibration reads) with AR decode steps that `truth`
+  predicts, plus a row that failed."""
+  hw = get_hardware("h100")
+  decode = {}
+  for shape in ("qwen3-1.7b", "qwen3-8b"):
+    rows = [{"batch": b, "step_ms": 1e3 * calibrate.DecodeProbe(get_model(shape), hw, b,
+                                                                 128 + 64).predict(truth)}
+            for b in (1, 64, 256)]
+    decode[shape] = rows + [{"batch": 1024, "error": "RESOURCE_EXHAUSTED: out of memory"}]
+  return {"device": {"platform": "gpu", "device_kind": kind},
+          "args": {"prompt_len": 128, "new_tokens": 128, "dtype": dtype}, "decode": decode}
+
+
+def test_gpu_benchmark_json_calibrates_its_hardware_and_names_what_it_cannot(tmp_path):
+  truth = efficiency_for("gb200").replace(bw=0.8, flops=0.4, step_overhead_s=1.5e-3,
+                                          logit_s=5e-11)
+  path = tmp_path / "bench_gpu.json"
+  path.write_text(json.dumps(gpu_benchmark_json(truth)))
+  cases = bench_data.cases_from_benchmark_json(str(path))
+  assert len(cases) == 6  # the failed rows are left out
+  assert {c.probe.hardware.name for c in cases} == {"h100"}
+  assert {c.probe.context_len for c in cases} == {192.0}  # prompt + half the new tokens
+  fit = calibrate.fit_efficiency(cases, efficiency_for("h100"), calibrate.BENCH_FIELDS,
+                                 ridge=0.0, iters=100)
+  for f in calibrate.BENCH_FIELDS:  # logit_s starts at 0: the fit finds it from its bounds
+    assert getattr(fit, f) == pytest.approx(getattr(truth, f), rel=0.03), f
+  for bad, match in ((gpu_benchmark_json(truth, kind="cpu"), "device.device_kind"),
+                     (gpu_benchmark_json(truth, dtype="float32"), "args.dtype")):
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match=match):
+      bench_data.cases_from_benchmark_json(str(path))
+  path.write_text(json.dumps(gpu_benchmark_json(truth)))  # the command line: before and after
+  cli, buf = _cli(), io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    cli.main(["--calibrate", "--bench-only", "--bench-json", str(path), "--json"])
+  out = json.loads(buf.getvalue())
+  assert out["hardware"] == "h100" and out["fields"] == list(calibrate.BENCH_FIELDS)
+  assert max(abs(r["error"]) for r in out["cases"]) < 0.01
+  assert max(abs(r["error"]) for r in out["cases_before"]) > 0.05  # the inherited factors
+
+
 def test_moe_forward_reads_more_experts_as_tokens_grow():
   net = cost.target_net(get_model("qwen3-235b-a22b"))
   b = net.weight_bytes(np.array([1.0, 8.0, 64.0, 4096.0]))

@@ -261,13 +261,58 @@ def _engine_drafter(label: str, cfgj: dict, model: ModelSpec) -> tuple[str, Mode
   return d.name, None
 
 
+# device kinds (as JAX names them) of the catalog's GPUs, the more specific first
+GPU_KINDS = (("GB200", "gb200"), ("B200", "b200"), ("H200", "h200"), ("H100", "h100"))
+
+
+def hardware_of_device(kind: str, where: str = "device.device_kind") -> str:
+  """The catalog name of a JAX device kind, e.g. 'NVIDIA H100 80GB HBM3' -> 'h100'."""
+  for mark, name in GPU_KINDS:
+    if mark in str(kind).upper():
+      return name
+  raise ValueError(f"{where}: {kind!r} is none of the catalog's GPUs "
+                   f"({', '.join(m for m, _ in GPU_KINDS)}); write its cases in the "
+                   f"hardware/model/results form with the hardware's fields")
+
+
+def cases_from_gpu_benchmark(data: dict, where: str) -> list[MeasuredCase]:
+  """AR decode-step cases from experiments/bench_gpu.py's JSON: every row of its `decode`
+  stage, one replica (mp 1) of the catalog model of that name, bfloat16, the step's mean context
+  (prompt + half the new tokens)."""
+  device = _need(data, "device", where)
+  hw = get_hardware(hardware_of_device(_need(device, "device_kind", f"{where}: device"),
+                                       f"{where}: device.device_kind"))
+  args = _need(data, "args", where)
+  if args.get("dtype", "bfloat16") != "bfloat16":
+    raise ValueError(f"{where}: args.dtype is {args['dtype']!r}; the simulator's models hold "
+                     f"bfloat16 weights and caches")
+  context = float(_need(args, "prompt_len", f"{where}: args")) + \
+      float(_need(args, "new_tokens", f"{where}: args")) / 2
+  cases = []
+  for shape, rows in _need(data, "decode", where).items():
+    model = get_model(shape)
+    for r in rows:
+      if "step_ms" not in r:  # a batch that failed (e.g. out of memory)
+        continue
+      probe = DecodeProbe(model, hw, int(r["batch"]), context)
+      cases.append(MeasuredCase(f"{where}#{shape}/b{r['batch']}", float(r["step_ms"]) / 1e3,
+                                probe=probe))
+  if not cases:
+    raise ValueError(f"{where}: no decode rows with a step time")
+  return cases
+
+
 def cases_from_benchmark_json(path: str) -> list[MeasuredCase]:
-  """Decode-step cases from a benchmark JSON (e.g. written by experiments/bench_rollout.py):
+  """Decode-step cases from a benchmark JSON: experiments/bench_gpu.py's (its AR decode rows,
+  `cases_from_gpu_benchmark`), or the general form (e.g. written by
+  experiments/bench_rollout.py):
   {"hardware": name | {HardwareSpec fields}, "model": name | {ModelSpec fields},
    "results": [{"batch", "context_len", "drafter"?, "draft_len"?, "acceptance_length"?,
                 "step_s" | "tokens_per_s", "mp"?}, ...]}.
   tokens_per_s counts committed tokens: step_s = batch * acceptance_length / tokens_per_s."""
   data = _read(path)
+  if "decode" in data and "device" in data:
+    return cases_from_gpu_benchmark(data, path)
   hw = data["hardware"]
   hw = get_hardware(hw) if isinstance(hw, str) else HardwareSpec(**hw)
   model = data["model"]

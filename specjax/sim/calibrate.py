@@ -17,6 +17,9 @@ from specjax.sim.workload import get_workload
 # `flops` is left out: the paper's cases barely constrain it (see SIMULATOR.md); benchmark
 # JSON with a batch sweep does, so fit it by adding it to `fields` when you have one.
 PAPER_FIELDS = ("bw", "step_overhead_s", "draft_overhead_s", "mfu", "host_ngram_s_per_token")
+# what AR decode steps over batches and model sizes constrain (e.g. bench_gpu.py's decode rows):
+# weight reads, matrix products, a cost per step, the sampling over the logits
+BENCH_FIELDS = ("bw", "flops", "step_overhead_s", "logit_s")
 
 
 @dataclasses.dataclass(frozen=True)
