@@ -4,7 +4,7 @@ against the memory-read roof at Qwen3-1.7B and Qwen3-8B shapes (random weights, 
 times and peak device memory. JSON out, written after every stage, so a run stopped at its time
 limit keeps what it measured.
 
-  python experiments/bench_gpu.py --out runs/bench_gpu.json      # H100: 291 s without `reads`
+  python experiments/bench_gpu.py --out runs/bench_gpu.json      # H100: the stages end near 450 s
   python experiments/bench_gpu.py --smoke                        # tiny shapes, any machine, seconds
 
 Needs jax, flax, optax, numpy, safetensors, tokenizers, jinja2, tqdm (a GPU image's usual set);
@@ -29,6 +29,9 @@ What each figure is:
   `achieved_gbps` against the device's nominal bandwidth is the other measure). `first_call_s`
   is the first call (compile + run), `call_s` the fastest of --repeats further calls (each in
   `calls_s`), whose segment gives the step.
+- context: the decode step as in decode at --context-model over prompts of --context-len tokens
+  (batches --context-batches), where the KV cache a step reads rivals the weights; with decode's
+  rows these calibrate the simulator's H100 factors (`simulate.py --calibrate --bench-only`).
 - reads: the plain loop's decode step (as in decode) at --reads-model and --reads-batches with
   the dense KV cache read whole (the default off the CPU) and read in chunks up to the live
   extent (the CPU default, forced): a chunked read is a loop of dynamic length, whose condition
@@ -93,9 +96,14 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--spec-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--draft-len", type=int, default=4)
   p.add_argument("--draft-layers", type=int, default=2)
-  p.add_argument("--stages", nargs="+", default=["paged", "reads", "decode", "spec"],
+  p.add_argument("--stages", nargs="+", default=["paged", "decode", "context", "spec"],
                  help="stages to run, in this order: paged, decode (every --models shape), "
-                      "decode=SHAPE (one shape), spec, reads")
+                      "decode=SHAPE (one shape), context, spec, reads")
+  p.add_argument("--context-model", default="qwen3-1.7b", choices=list(SHAPES),
+                 help="model of the context stage (decode over long prompts)")
+  p.add_argument("--context-len", type=int, default=2048,
+                 help="prompt tokens of the context stage")
+  p.add_argument("--context-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--reads-model", default="qwen3-1.7b", choices=list(SHAPES),
                  help="model of the reads stage (whole against chunked dense-cache reads)")
   p.add_argument("--reads-batches", nargs="+", type=int, default=[1, 64])
@@ -116,19 +124,21 @@ def parse_args(argv=None) -> argparse.Namespace:
   if "--smoke" in (sys.argv[1:] if argv is None else argv):  # other defaults; flags still apply
     p.set_defaults(models=["smoke"], spec_model="smoke", batches=[1, 4], spec_batches=[2],
                    prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64,
-                   reads_model="smoke", reads_batches=[2], reads_chunk=4, repeats=2)
+                   reads_model="smoke", reads_batches=[2], reads_chunk=4, repeats=2,
+                   context_model="smoke", context_len=24, context_batches=[2],
+                   stages=["paged", "decode", "context", "spec", "reads"])
   a = p.parse_args(argv)
   for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "paged_batch",
-               "paged_context", "repeats"):
+               "paged_context", "repeats", "context_len"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   for stage in a.stages:
     name, _, shape = stage.partition("=")
-    if name not in ("paged", "decode", "spec", "reads") or (shape and (name != "decode"
+    if name not in ("paged", "decode", "context", "spec", "reads") or (shape and (name != "decode"
                                                                or shape not in SHAPES)):
       p.error(f"--stages: {stage!r} is not paged, decode, decode=SHAPE (one of "
-              f"{', '.join(SHAPES)}), spec or reads")
-  if any(b < 1 for b in a.batches + a.spec_batches + a.reads_batches):
+              f"{', '.join(SHAPES)}), context, spec or reads")
+  if any(b < 1 for b in a.batches + a.spec_batches + a.reads_batches + a.context_batches):
     p.error("batches must be >= 1")
   return a
 
@@ -212,10 +222,12 @@ def timed_calls(fn, repeats: int):
   return first, best[0], best[1], calls
 
 
-def decode_row(a, model, graphdef, params, b: int, bandwidth: float) -> dict:
+def decode_row(a, model, graphdef, params, b: int, bandwidth: float,
+               prompt_len: int | None = None) -> dict:
   """One batch of the plain loop: step time from the timed decode segment, against the roof."""
+  prompt_len = prompt_len or a.prompt_len
   scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0)
-  prompts, lengths = prompts_for(b, a.prompt_len, model.cfg.vocab_size, a.seed + b)
+  prompts, lengths = prompts_for(b, prompt_len, model.cfg.vocab_size, a.seed + b)
   run = lambda i: generate((graphdef, params), prompts, lengths, jax.random.key(i), scfg,
                            engine=STATIC)
   try:
@@ -224,11 +236,11 @@ def decode_row(a, model, graphdef, params, b: int, bandwidth: float) -> dict:
     return {"batch": b, "error": f"{type(e).__name__}: {str(e)[:500]}"}
   seg = out.segments[0]
   step_s = seg.seconds / max(seg.iterations, 1)
-  nbytes = step_bytes(model, b, a.prompt_len + a.new_tokens)
+  nbytes = step_bytes(model, b, prompt_len + a.new_tokens)
   roof_s = nbytes / (bandwidth * 1e9)
   flops = 2.0 * model.cfg.num_params() * b
-  return {"batch": b, "first_call_s": first, "call_s": call, "calls_s": calls,
-          "steps": seg.iterations,
+  return {"batch": b, "prompt_len": prompt_len, "context_len": prompt_len + a.new_tokens / 2,
+          "first_call_s": first, "call_s": call, "calls_s": calls, "steps": seg.iterations,
           "step_ms": 1e3 * step_s, "tokens_per_s": b / step_s, "fixed_s": call - seg.seconds,
           "step_gbytes": nbytes / 1e9, "roof_step_ms": 1e3 * roof_s,
           "roof_fraction": roof_s / step_s, "achieved_gbps": nbytes / step_s / 1e9,
@@ -261,6 +273,24 @@ def decode_stage(a, shape: str, bandwidth: float, results: dict) -> None:
     write(a, results)
   results.setdefault("decode", {})[shape] = rows
   write(a, results)
+  model = graphdef = params = None
+  gc.collect()
+
+
+def context_stage(a, bandwidth: float, results: dict) -> None:
+  """The plain loop's decode step at --context-model over prompts of --context-len tokens: the
+  KV cache read per step is then as large as the weights or larger."""
+  shape = a.context_model
+  model = build_target(shape, a.dtype, a.draft_layers, a.seed)
+  graphdef, params = nnx.split(model)
+  rows = []
+  for b in a.context_batches:
+    if over_budget(a, f"{shape} context {a.context_len} batch {b}", results):
+      break
+    rows.append(decode_row(a, model, graphdef, params, b, bandwidth, a.context_len))
+    log_row(f"{shape} batch {b:4d} prompt {a.context_len}", rows[-1])
+    results["context"] = {shape: rows}
+    write(a, results)
   model = graphdef = params = None
   gc.collect()
 
@@ -529,6 +559,8 @@ def main(argv=None) -> dict:
       for shape in [one] if one else a.models:
         if not over_budget(a, f"{shape} decode", results):
           decode_stage(a, shape, bandwidth, results)
+    if stage == "context" and not over_budget(a, "context", results):
+      context_stage(a, bandwidth, results)
     if stage == "spec" and a.spec_model and not over_budget(a, "speculative", results):
       spec_stage(a, results)
     if stage == "reads" and not over_budget(a, "reads", results):

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from specjax.sim import bench_data, calibrate, catalog, machine_fit, report  # noqa: E402
 from specjax.sim.advise import DEFAULT_DRAFTERS, advice_text, advise  # noqa: E402
-from specjax.sim.calibrate import BENCH_FIELDS  # noqa: E402
+from specjax.sim.calibrate import BENCH_FIELDS, LONG_CONTEXT  # noqa: E402
 from specjax.sim.drafter_costs import DRAFTER_COSTS, EAGLE3  # noqa: E402
 from specjax.sim.factors import efficiency_for  # noqa: E402
 from specjax.sim.simulate import ENGINES, MODES, Scenario, compare  # noqa: E402
@@ -72,7 +72,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "hardware's current factors, and print them before and after")
   p.add_argument("--fit-fields", nargs="+", default=None,
                  help="--calibrate: the factors fitted (default: the paper's; with --bench-only: "
-                      f"{' '.join(BENCH_FIELDS)})")
+                      f"{' '.join(BENCH_FIELDS)}, and kv_bw where a step reads "
+                      f"{LONG_CONTEXT}+ cached positions)")
   p.add_argument("--engine", choices=ENGINES, default="vllm",
                  help="rollout engine model: vLLM-like, specjax's bucketed engine (static cache "
                       "per row) or specjax's queue-fed paged engine (specjax-continuous)")
@@ -166,14 +167,14 @@ def run_bench_calibration(a: argparse.Namespace) -> dict:
   names = sorted({c.probe.hardware.name for c in cases})
   if len(names) != 1:
     raise SystemExit(f"--bench-only: the cases must come from one hardware, got {names}")
-  fields = a.fit_fields or BENCH_FIELDS
+  fields = a.fit_fields or calibrate.bench_fields(cases)
   before = efficiency_for(names[0])
   eff = calibrate.fit_efficiency(cases, before, fields, iters=100)
   rows_before, rows = calibrate.report(cases, before), calibrate.report(cases, eff)
   if not a.json:
     print(f"{names[0]}: {len(cases)} measured steps; fitted {', '.join(fields)}:")
     for k in fields:
-      print(f"  {k} = {getattr(eff, k):.4g} (was {getattr(before, k):.4g})")
+      print(f"  {k} = {getattr(eff, k):.4g} (was {getattr(before, k) or 0:.4g})")
     print("\n| case | measured ms | current factors ms | error | fitted ms | error |\n"
           "|---|---:|---:|---:|---:|---:|")
     for r0, r in zip(rows_before, rows):

@@ -174,6 +174,9 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   assert row["batch"] == 2 and row["steps"] == 7 and row["step_ms"] > 0  # the prefill emits 1 of 8
   assert 0 < row["roof_fraction"] and row["step_gbytes"] > 0
   assert len(row["calls_s"]) == 2 and row["call_s"] == min(row["calls_s"])  # --repeats 2
+  (ctx,) = data["context"]["smoke"]  # the same step over long prompts
+  assert ctx["prompt_len"] == 24 and ctx["context_len"] == 24 + 4 and ctx["step_ms"] > 0
+  assert ctx["step_gbytes"] > row["step_gbytes"]
   paged = data["paged"]  # the Pallas kernel in interpret mode here
   assert paged["interpret"] and len(paged["checks"]) == 8
   for check in paged["checks"]:

@@ -167,22 +167,31 @@ def gpu_benchmark_json(truth, kind="NVIDIA H100 80GB HBM3", dtype="bfloat16") ->
                                                                  128 + 64).predict(truth)}
             for b in (1, 64, 256)]
     decode[shape] = rows + [{"batch": 1024, "error": "RESOURCE_EXHAUSTED: out of memory"}]
+  context = [{"batch": b, "context_len": 2048 + 64,  # the context stage's long prompts
+              "step_ms": 1e3 * calibrate.DecodeProbe(get_model("qwen3-1.7b"), hw, b,
+                                                     2048 + 64).predict(truth)}
+             for b in (1, 64)]
   return {"device": {"platform": "gpu", "device_kind": kind},
-          "args": {"prompt_len": 128, "new_tokens": 128, "dtype": dtype}, "decode": decode}
+          "args": {"prompt_len": 128, "new_tokens": 128, "dtype": dtype}, "decode": decode,
+          "context": {"qwen3-1.7b": context}}
 
 
 def test_gpu_benchmark_json_calibrates_its_hardware_and_names_what_it_cannot(tmp_path):
   truth = efficiency_for("gb200").replace(bw=0.8, flops=0.4, step_overhead_s=1.5e-3,
-                                          logit_s=5e-11)
+                                          logit_s=5e-11, kv_bw=0.5)
   path = tmp_path / "bench_gpu.json"
   path.write_text(json.dumps(gpu_benchmark_json(truth)))
   cases = bench_data.cases_from_benchmark_json(str(path))
-  assert len(cases) == 6  # the failed rows are left out
+  assert len(cases) == 8  # the failed rows are left out
   assert {c.probe.hardware.name for c in cases} == {"h100"}
-  assert {c.probe.context_len for c in cases} == {192.0}  # prompt + half the new tokens
-  fit = calibrate.fit_efficiency(cases, efficiency_for("h100"), calibrate.BENCH_FIELDS,
-                                 ridge=0.0, iters=100)
-  for f in calibrate.BENCH_FIELDS:  # logit_s starts at 0: the fit finds it from its bounds
+  # decode: prompt + half the new tokens; the context stage's rows give their own
+  assert sorted({c.probe.context_len for c in cases}) == [192.0, 2112.0]
+  fields = calibrate.bench_fields(cases)
+  assert fields == calibrate.BENCH_FIELDS + ("kv_bw",)  # a long cache constrains kv_bw
+  assert calibrate.bench_fields([c for c in cases if c.probe.context_len < 1024]) == \
+      calibrate.BENCH_FIELDS
+  fit = calibrate.fit_efficiency(cases, efficiency_for("h100"), fields, ridge=0.0, iters=100)
+  for f in fields:  # logit_s starts at 0 and kv_bw unset: the fit finds them from their bounds
     assert getattr(fit, f) == pytest.approx(getattr(truth, f), rel=0.03), f
   for bad, match in ((gpu_benchmark_json(truth, kind="cpu"), "device.device_kind"),
                      (gpu_benchmark_json(truth, dtype="float32"), "args.dtype")):
@@ -194,7 +203,7 @@ def test_gpu_benchmark_json_calibrates_its_hardware_and_names_what_it_cannot(tmp
   with contextlib.redirect_stdout(buf):
     cli.main(["--calibrate", "--bench-only", "--bench-json", str(path), "--json"])
   out = json.loads(buf.getvalue())
-  assert out["hardware"] == "h100" and out["fields"] == list(calibrate.BENCH_FIELDS)
+  assert out["hardware"] == "h100" and out["fields"] == list(fields)
   assert max(abs(r["error"]) for r in out["cases"]) < 0.01
   assert max(abs(r["error"]) for r in out["cases_before"]) > 0.05  # the inherited factors
 

@@ -276,9 +276,9 @@ def hardware_of_device(kind: str, where: str = "device.device_kind") -> str:
 
 
 def cases_from_gpu_benchmark(data: dict, where: str) -> list[MeasuredCase]:
-  """AR decode-step cases from experiments/bench_gpu.py's JSON: every row of its `decode`
-  stage, one replica (mp 1) of the catalog model of that name, bfloat16, the step's mean context
-  (prompt + half the new tokens)."""
+  """AR decode-step cases from experiments/bench_gpu.py's JSON: every row of its `decode` and
+  `context` stages, one replica (mp 1) of the catalog model of that name, bfloat16, the step's
+  mean context (prompt + half the new tokens)."""
   device = _need(data, "device", where)
   hw = get_hardware(hardware_of_device(_need(device, "device_kind", f"{where}: device"),
                                        f"{where}: device.device_kind"))
@@ -289,14 +289,17 @@ def cases_from_gpu_benchmark(data: dict, where: str) -> list[MeasuredCase]:
   context = float(_need(args, "prompt_len", f"{where}: args")) + \
       float(_need(args, "new_tokens", f"{where}: args")) / 2
   cases = []
-  for shape, rows in _need(data, "decode", where).items():
-    model = get_model(shape)
-    for r in rows:
-      if "step_ms" not in r:  # a batch that failed (e.g. out of memory)
-        continue
-      probe = DecodeProbe(model, hw, int(r["batch"]), context)
-      cases.append(MeasuredCase(f"{where}#{shape}/b{r['batch']}", float(r["step_ms"]) / 1e3,
-                                probe=probe))
+  stages = [("decode", _need(data, "decode", where))] + [("context", data.get("context", {}))]
+  for stage, shapes in stages:
+    for shape, rows in shapes.items():
+      model = get_model(shape)
+      for r in rows:
+        if "step_ms" not in r:  # a batch that failed (e.g. out of memory)
+          continue
+        ctx = float(r.get("context_len", context))  # (older files: decode at args' prompt)
+        probe = DecodeProbe(model, hw, int(r["batch"]), ctx)
+        cases.append(MeasuredCase(f"{where}#{shape}/b{r['batch']}/ctx{ctx:g}",
+                                  float(r["step_ms"]) / 1e3, probe=probe))
   if not cases:
     raise ValueError(f"{where}: no decode rows with a step time")
   return cases

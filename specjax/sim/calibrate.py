@@ -20,6 +20,14 @@ PAPER_FIELDS = ("bw", "step_overhead_s", "draft_overhead_s", "mfu", "host_ngram_
 # what AR decode steps over batches and model sizes constrain (e.g. bench_gpu.py's decode rows):
 # weight reads, matrix products, a cost per step, the sampling over the logits
 BENCH_FIELDS = ("bw", "flops", "step_overhead_s", "logit_s")
+LONG_CONTEXT = 1024  # cached positions from which decode steps also constrain `kv_bw`
+
+
+def bench_fields(cases: Sequence[MeasuredCase]) -> tuple[str, ...]:
+  """The factors measured decode steps constrain: BENCH_FIELDS, and the KV cache's bandwidth
+  once some step reads a long cache."""
+  long = any(c.probe is not None and c.probe.context_len >= LONG_CONTEXT for c in cases)
+  return BENCH_FIELDS + (("kv_bw",) if long else ())
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,7 @@ from specjax.sim.cost import Efficiency
 BOUNDS = {"bw": (0.2, 1.0), "flops": (0.1, 1.0), "step_overhead_s": (1e-5, 0.05),
           "draft_overhead_s": (1e-6, 0.02), "mfu": (0.05, 0.8), "comm": (0.1, 1.0),
           "host_ngram_s_per_token": (1e-12, 1e-6), "prepare_overhead_s": (1e-3, 120.0),
-          "other_s": (1e-3, 120.0), "logit_s": (1e-14, 1e-8)}
+          "other_s": (1e-3, 120.0), "logit_s": (1e-14, 1e-8), "kv_bw": (0.05, 1.0)}
 
 
 def _residuals(cases, eff, fields, x, prior, ridge):
@@ -38,8 +38,9 @@ def fit_factors(cases: Sequence, start: Efficiency, fields: Sequence[str], bound
       raise ValueError(f"fit_efficiency: field {f!r} is not fittable; choose from {sorted(bounds)}")
   lo = np.log([bounds[f][0] for f in fields])
   hi = np.log([bounds[f][1] for f in fields])
-  # (a factor that starts at 0, e.g. logit_s, starts midway between its bounds in log scale)
-  prior = np.clip([math.log(getattr(start, f)) if getattr(start, f) > 0 else (a + b) / 2
+  # (a factor that starts at 0 or unset, e.g. logit_s or kv_bw, starts midway between its
+  # bounds in log scale)
+  prior = np.clip([math.log(getattr(start, f)) if (getattr(start, f) or 0) > 0 else (a + b) / 2
                    for f, a, b in zip(fields, lo, hi)], lo, hi)
   x = prior.copy()
   r = _residuals(cases, start, fields, x, prior, ridge)
