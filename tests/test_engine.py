@@ -237,6 +237,37 @@ def test_a_shared_prefill_for_grouped_prompts_changes_no_rollout(target, kind):
   assert_same_rollout(run(True), run(False))
 
 
+def test_a_segment_updates_its_state_in_place_so_the_cache_is_held_once(target, monkeypatch):
+  """A segment takes (donates) its state: XLA writes the updated caches into the buffers it was
+  given instead of new ones, so a rollout does not hold its KV memory twice while a segment
+  runs. The speculative engine's segments (target and draft caches) too, and their rollouts are
+  those of the plain loop."""
+  calls, real = [], eng._segment_jit
+
+  class Recorded:  # the segment program, its calls recorded
+    lower = real.lower
+
+    def __call__(self, *a, **kw):
+      calls.append((a, kw))
+      return real(*a, **kw)
+
+  monkeypatch.setattr(eng, "_segment_jit", Recorded())
+  drafter, dparams = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(1)), draft_len=2)
+  out = speculative_generate(target, drafter, dparams, PROMPTS, PROMPT_LENGTHS,
+                             jax.random.key(0), GREEDY, engine=ENGINE)
+  assert_same_rollout(out, generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
+                                    engine=STATIC))
+  spec = [(a, kw) for a, kw in calls if a[2] is not None]  # a drafting segment
+  for a, kw in (calls[-1], spec[0]):
+    state = a[5]
+    if state.tokens.is_deleted():  # (a segment took it: the state of the arguments is gone)
+      state = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), state)
+    memory = real.lower(*a[:5], state, *a[6:], **kw).compile().memory_analysis()
+    caches = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                 for x in jax.tree.leaves(state.cache))
+    assert memory.alias_size_in_bytes >= caches > 0, (memory, caches)
+
+
 def test_new_params_reuse_every_compiled_program(target):
   graphdef, params = nnx.split(target)
   generate((graphdef, params), PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=ENGINE)
@@ -282,9 +313,10 @@ def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target
   run = lambda i: speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), PROMPTS,
                                        PROMPT_LENGTHS, jax.random.key(i), sampled,
                                        engine=engine, tuning=tuning)
+  start = eng.compiled_programs()
   out = run(0)
   buckets = {s.bucket for s in out.segments}
-  assert eng._segment_jit._cache_size() >= len(buckets) * 4  # K = 0, 1, 2, 3 per bucket
+  assert eng.compiled_programs() - start >= len(buckets) * 4  # K = 0, 1, 2, 3 per bucket
   before = eng.compiled_programs()
   for i in range(1, 4):
     jax.block_until_ready(run(i).tokens)

@@ -204,7 +204,8 @@ class CostTable:
   def step_cost(self, key: tuple, run: Callable[[int], int], iters: int, repeats: int,
                 compiled: bool = False) -> float:
     """Seconds per step of `key`, measured the first time it is asked for. `run(m)` runs a
-    segment of at most m steps to completion (results discarded) and returns the steps it ran.
+    segment of at most m steps to completion (results discarded) and returns the steps it ran,
+    or (steps, seconds) when it times the segment itself (leaving out its own preparation).
 
     After one untimed run that compiles it (none when `compiled`: the program has compiled and
     run already), each repeat times a segment of n steps and one of
@@ -225,7 +226,10 @@ class CostTable:
         for m in best:
           t0 = time.perf_counter()
           ran = run(m)
-          best[m] = min(best[m], (time.perf_counter() - t0, ran))
+          seconds = time.perf_counter() - t0
+          if isinstance(ran, tuple):  # (steps, seconds of the steps alone)
+            ran, seconds = ran
+          best[m] = min(best[m], (seconds, ran))
       (t1, i1), (t2, i2) = best[iters], best[2 * iters]
       slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else t2 / max(i2, 1)
       segment = max(t2 - slope * i2, 0.0)

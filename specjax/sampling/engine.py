@@ -52,7 +52,10 @@ def params_mesh(params):
 _init_jit = jax.jit(init_state, static_argnames=("graphdef", "drafter", "cfg", "cache_size",
                                                  "max_draft_len", "mesh", "group",
                                                  "target_cache_size"))
-_segment_jit = jax.jit(run_segment, static_argnames=("graphdef", "drafter", "spec", "mesh"))
+# a segment takes its state (donated): its caches are updated in place, so the engine holds its
+# KV memory once, not twice, while a segment runs
+_segment_jit = jax.jit(run_segment, static_argnames=("graphdef", "drafter", "spec", "mesh"),
+                       donate_argnames=("state",))
 _take_jit = jax.jit(take_rows)
 _finish_jit = jax.jit(finish, static_argnames=("cfg",))
 
@@ -105,12 +108,27 @@ def _admit(state: EngineState, new: EngineState, slots: jax.Array,
   return jax.tree.map(lambda o, s: o.at[idx].set(s, mode="drop"), state, new)
 
 
+# the engine's programs, by the name XLA compiles them under
+_PROGRAMS = frozenset(f"jit({name})" for name in (
+    "init_state", "run_segment", "take_rows", "_summary", "_write_back", "_harvest", "_admit",
+    "start_paged", "admit_paged", "read_pages", "write_pages"))
+_BUILT = [0]  # of them, compiled or loaded from the persistent compilation cache, this process
+
+
+def _count_built(event: str, *args, fun_name: str = "", **kwargs) -> None:
+  # (the event covers a compile and a load from the persistent cache alike)
+  if event == "/jax/core/compile/backend_compile_duration" and fun_name in _PROGRAMS:
+    _BUILT[0] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_built)
+
+
 def compiled_programs() -> int:
-  """Programs the engine has compiled in this process (prefills, segments, compaction's
-  gathers, summaries and write-backs, and the queue's harvests and admissions)."""
-  return sum(f._cache_size() for f in (_init_jit, _segment_jit, _take_jit, _summary, _write_back,
-                                       _harvest, _admit, paging.start_paged, paging.admit_paged,
-                                       paging.read_pages, paging.write_pages))
+  """Programs the engine has compiled (or loaded from the persistent compilation cache) in this
+  process: prefills, segments (compiled ahead of their first run, which would take their state),
+  compaction's gathers, summaries and write-backs, and the queue's harvests and admissions."""
+  return _BUILT[0]
 
 
 class _Run:
@@ -140,20 +158,32 @@ class _Run:
     self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
         if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, self.k_max))
     self.segments: list[Segment] = []
-    self.prepared: set[tuple] = set()  # (bucket, K, window) of programs `prepare_buckets` ran
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
-  def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
-              stop_at_live: int, stop_at_paused: int = 1):
+  def _segment_args(self, state, key, k: int, window: int, max_iters: int, stop_at_live: int,
+                    stop_at_paused: int) -> tuple[tuple, dict]:
     observe = k > 0 or (self.drafter is not None and self.drafter.stateful and
                         not self.policy.retired)
     drafter = self.drafter if observe else None
     if drafter is not None:
       drafter = dataclasses.replace(drafter, draft_len=max(k, 1))
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
-    return _segment_jit(self.graphdef, self.params, drafter, self.drafter_params, key, state,
-                        jnp.int32(max_iters), jnp.int32(stop_at_live), spec=spec, mesh=self.mesh,
-                        stop_at_paused=jnp.int32(stop_at_paused))
+    return ((self.graphdef, self.params, drafter, self.drafter_params, key, state,
+             jnp.int32(max_iters), jnp.int32(stop_at_live)),
+            dict(spec=spec, mesh=self.mesh, stop_at_paused=jnp.int32(stop_at_paused)))
+
+  def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
+              stop_at_live: int, stop_at_paused: int = 1):
+    """Run a segment; it takes `state` (donated: use the returned one)."""
+    args, kwargs = self._segment_args(state, key, k, window, max_iters, stop_at_live,
+                                      stop_at_paused)
+    return _segment_jit(*args, **kwargs)
+
+  def compile_segment(self, state, bucket: int, k: int, window: int) -> None:
+    """Compile the segment program of (bucket, K, window) for `state`'s shapes without running
+    it (a run would take the state); its first run then finds it compiled."""
+    args, kwargs = self._segment_args(state, self.probe_key, k, window, 0, 0, 1)
+    _segment_jit.lower(*args, **kwargs).compile()
 
   def cost_key(self, bucket: int, k: int) -> tuple:
     return (self.program_id, bucket, k)
@@ -176,14 +206,18 @@ class _Run:
           line * (1.0 + self.engine.min_gain)
     window = window_for(longest, k, self.engine.window_block, self.cache_size)
 
-    def run(m: int) -> int:
-      _, iters = jax.block_until_ready(self.segment(state, self.probe_key, bucket, k, window, m,
-                                                    0))
-      return int(iters)
+    def run(m: int) -> tuple[int, float]:
+      # each timed run steps a copy of the state, taken (donated) by the segment and then
+      # dropped, so every run starts where the rollout is and the rollout is left as it was
+      probe = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+      t0 = time.perf_counter()
+      _, iters = self.segment(probe, self.probe_key, bucket, k, window, m, 0)
+      iters = int(iters)  # (waits for the segment)
+      return iters, time.perf_counter() - t0
 
+    # (a program compiled ahead has not run yet: the first, untimed run finds it compiled)
     return self.costs.step_cost(self.cost_key(bucket, k), run, self.engine.calibration_iters,
-                                self.engine.calibration_repeats,
-                                compiled=(bucket, k, window) in self.prepared)
+                                self.engine.calibration_repeats)
 
   def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
     """Compile the programs of `buckets` (the first is `state`'s own bucket; the others' states
@@ -215,17 +249,14 @@ class _Run:
     for b in buckets:
       for k in ks:
         window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
-        jobs.append(lambda b=b, k=k, w=window: self.segment(subs[b], self.probe_key, b, k, w, 0,
-                                                            0))
+        jobs.append(lambda b=b, k=k, w=window: self.compile_segment(subs[b], b, k, w))
     threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
     if threads > 1:
       with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         jax.block_until_ready(list(pool.map(lambda job: job(), jobs)))
     else:
       jax.block_until_ready([job() for job in jobs])
-    self.prepared.update((b, k, window_for(prompt_len, k, self.engine.window_block,
-                                           self.cache_size)) for b in buckets for k in ks)
-    if self.adaptive:
+    if self.adaptive:  # (the first bucket's are timed when the policy first asks for them)
       for b in buckets[1:]:
         for k in self.timed_ks:
           self.cost(subs[b], b, k, prompt_len)
@@ -279,10 +310,10 @@ class _Run:
     compact = self.engine.compaction and queue_ok
     buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
         if compact else bucket_sizes(slots, dp, slots)
-    key_prefill, key_loop = jax.random.split(key)
+    key_prefill, self.key_loop = jax.random.split(key)
     # calibration and bucket preparation run segments with a key of the caller's kind (a typed
     # key or raw uint32[2]: they are different programs), so they compile what the run uses
-    self.probe_key = jax.random.fold_in(key_loop, 2**31 - 1)
+    self.probe_key = jax.random.fold_in(self.key_loop, 2**31 - 1)
     state = self.prefill(prompts[:slots], prompt_lengths[:slots], key_prefill, group)
     width = state.tokens.shape[1]
     results = Results(tokens=jnp.zeros((batch, width), jnp.int32),
@@ -383,7 +414,9 @@ class _Run:
       if compact and not len(queue) and fits[-1] < bucket:
         # gather the live rows into the smallest bucket, from the full-size state (brought up
         # to date first): one gather program per bucket, whichever bucket the rows come from
-        out = _write_back(out, state)
+        # (a full-size state is its own write-back; `out` then is an earlier state, whose
+        # buffers the segments since took)
+        out = state if bucket == slots else _write_back(out, state)
         rows = homes[np.flatnonzero(live_mask)]
         new = fits[-1]
         idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
@@ -397,14 +430,14 @@ class _Run:
       longest = int(seq_lengths.max())
       k, expected = self.policy.choose(lambda k: self.cost(state, bucket, k, longest), live)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
+      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
+        # its first segment: compile it first, so the timing below holds only steps
+        self.compile_segment(state, bucket, k, window)
+        self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
+        self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
       max_iters = self.policy.budget(k, j)
-      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
-        # its first segment: compile it first, so the timing below holds only steps
-        jax.block_until_ready(self.segment(state, self.probe_key, bucket, k, window, 0, 0))
-        self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
-        self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       if len(queue):  # return once `refill` slots are free (or pages: once a row ends)
         stop_at_live = live - 1 if no_pages else slots - refill
       else:
@@ -414,8 +447,10 @@ class _Run:
       # (paged) a segment also returns once a refill's worth more rows wait for pages
       waiting = pages.paused if paged else 0
       paused = waiting + max(refill if len(queue) else live // 8, 1)
-      state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
+      state, iters = self.segment(state, jax.random.fold_in(self.key_loop, len(self.segments)),
                                   bucket, k, window, max_iters, stop_at_live, paused)
+      if bucket == slots:  # (the segment took the state `out` held)
+        out = state
       summary = jax.device_get(_summary(state))
       tokens_after, drafts1, acc1 = summary[2:5]
       seconds = time.perf_counter() - t0
@@ -435,7 +470,7 @@ class _Run:
                                    swapped_out=pages.swaps - swaps_before if paged else 0,
                                    waiting_for_pages=waiting))
       swaps_before = pages.swaps if paged else 0
-    out = _write_back(out, state)
+    out = state if bucket == slots else _write_back(out, state)
     results, _ = _harvest(results, out)
     stats = None
     if self.drafter is not None:
