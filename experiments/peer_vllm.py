@@ -39,7 +39,8 @@ Measured, on the same prompts (fixed random token ids) for both:
      out in the EOS-ignoring reference calls). Arms, same prompts:
        specjax  waves (`generate` on batches of --slots rows), continuous (one call,
                 EngineConfig(max_rows=slots)), continuous_spec (`speculative_generate`, the
-                draft model, adaptive K up to --draft-len, max_rows=slots)
+                draft model, adaptive K up to --draft-len, max_rows=slots); every arm compiles
+                all its buckets before its first segment (`compile_ahead`, as RL rollouts do)
        vLLM     vllm (every row a request, all at once, max_num_seqs=slots; prefix caching
                 shares a group's prompt within a call), and per --vllm-spec its own
                 speculative engine: vllm_ngram (prompt lookup, K=--draft-len, n-grams of
@@ -76,7 +77,7 @@ engine on two cores; --eager skips the compile.
 from __future__ import annotations
 
 import argparse
-import glob
+import fnmatch
 import itertools
 import json
 import os
@@ -389,12 +390,19 @@ def venv_python(a) -> str:
   return py
 
 
-def find_lib(patterns: list[str], dirs: list[str]) -> str | None:
+def find_lib(patterns: list[str], dirs: list[str], depth: int = 4) -> str | None:
+  """The first file matching a pattern (in the order given) under `dirs`, at most `depth`
+  folders down, not following links to folders (a recursive glob follows them, and a link
+  loop under a system folder made it search without end)."""
   for pat in patterns:
     for d in dirs:
-      hits = sorted(glob.glob(os.path.join(d, "**", pat), recursive=True))
-      if hits:
-        return hits[0]
+      top = d.rstrip(os.sep).count(os.sep)
+      for root, subdirs, files in os.walk(d):
+        if root.count(os.sep) - top >= depth:
+          subdirs[:] = []
+        hits = sorted(f for f in fnmatch.filter(files, pat))
+        if hits:
+          return os.path.join(root, hits[0])
   return None
 
 
@@ -751,7 +759,10 @@ def tq_specjax(a, tdir: str, target, eos, prompts, lens) -> dict:
   drafter, dparams = DraftModelDrafter.from_model(truncated_copy(model, a.draft_layers),
                                                   draft_len=a.draft_len)
   tunings = collections.defaultdict(EngineTuning)
-  plain, queue = EngineConfig(), EngineConfig(max_rows=a.slots)
+  # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
+  # timed call compiles a bucket the untimed one did not reach
+  plain = EngineConfig(compile_ahead=True)
+  queue = EngineConfig(max_rows=a.slots, compile_ahead=True)
   p, n = jnp.asarray(prompts), jnp.asarray(lens)
   rows, s = p.shape[0], a.slots
   key = lambda i, w=0: jax.random.fold_in(jax.random.key(a.seed * 1000 + i), w)
