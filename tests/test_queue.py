@@ -49,6 +49,39 @@ def assert_same_rollout(a, b):
   np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_refills_and_compaction_update_the_state_in_place(target, static_ar, monkeypatch):
+  """A harvest, an admission and compaction's write-back take (donate) the full-size state they
+  update: XLA writes into its buffers instead of a second copy of every cache. The rollout is
+  the plain loop's."""
+  calls = {}
+
+  def record(name):
+    real = getattr(eng, name)
+
+    class Recorded:
+      lower = real.lower
+
+      def __call__(self, *a, **kw):
+        calls.setdefault(name, []).append(a)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(eng, name, Recorded())
+    return real
+
+  real = {name: record(name) for name in ("_harvest", "_admit", "_write_back")}
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
+                 engine=EngineConfig(max_rows=8))
+  assert_same_rollout(out, static_ar)
+  shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
+  nbytes = lambda tree: sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                            for x in jax.tree.leaves(tree))
+  for name, fn in real.items():
+    args = jax.tree.map(shape, calls[name][0])  # (the call took its arguments' buffers)
+    full = args[1] if name == "_harvest" else args[0]  # the full-size state
+    memory = fn.lower(*args).compile().memory_analysis()
+    assert memory.alias_size_in_bytes >= nbytes(full.cache) > 0, (name, memory)
+
+
 def test_the_fixture_has_long_tailed_lengths_and_rows_done_at_once(static_ar):
   lengths = np.asarray(static_ar.lengths)
   assert lengths.min() == 1 and lengths.max() == 24 and (lengths == 1).sum() >= 4

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 import os
 import time
 
@@ -69,7 +70,7 @@ def _summary(state: EngineState):
           counts.num_drafts, counts.accepted_per_position, state.row_ids, state.slots)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("out",))
 def _write_back(out: EngineState, state: EngineState) -> EngineState:
   """Rows of a bucket state back into the full-size state at their slots (padding dropped)."""
   idx = jnp.where(state.row_ids >= 0, state.slots, out.done.shape[0])
@@ -86,7 +87,7 @@ class Results:
   counts: AcceptanceCounts  # per row
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("results", "state"))
 def _harvest(results: Results, state: EngineState) -> tuple[Results, EngineState]:
   """Finished rows of a full-size state into the caller's rows of `results`; their slots are
   then free (row id -1)."""
@@ -98,7 +99,7 @@ def _harvest(results: Results, state: EngineState) -> tuple[Results, EngineState
   return results, release_pages(state.replace(row_ids=jnp.where(take, -1, state.row_ids)), take)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("state",))
 def _admit(state: EngineState, new: EngineState, slots: jax.Array,
            row_ids: jax.Array) -> EngineState:
   """Prefilled rows `new` into the free `slots` of a full-size state as the caller's `row_ids`
@@ -244,7 +245,9 @@ class _Run:
     subs = {buckets[0]: state}
     for b in buckets[1:]:
       subs[b] = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
-    jobs = [lambda s=subs[b]: (_summary(s), _write_back(state, s)) for b in buckets[1:]]
+    # (the write-back takes the full-size state it writes into: compiled, not run)
+    jobs = [lambda s=subs[b]: (_summary(s), _write_back.lower(state, s).compile())
+            for b in buckets[1:]]
     jobs += list(queue_jobs)
     for b in buckets:
       for k in ks:
@@ -356,15 +359,18 @@ class _Run:
       return _admit(state, new, into, ids)
 
     queue_jobs = ()
-    if len(queue):  # the admission programs compile with the others (results discarded)
+    if len(queue):  # the admission programs compile with the others (compiled, not run: a
+      # harvest and an admission take the state they update)
       probe_rows = jnp.arange(refill, dtype=jnp.int32)
-      admit_fn = _admit if not paged else lambda s, n, a, b: paging.admit_paged(
-          s, n, a, b, jnp.full((refill, pages.max_pages), -1, jnp.int32))
-      queue_jobs = (lambda: _harvest(results, state),
-                    lambda: admit_fn(state, self.prefill(prompts[:refill],
-                                                         prompt_lengths[:refill], key_prefill,
-                                                         group),
-                                     probe_rows, probe_rows))
+
+      def compile_admission():
+        new = self.prefill(prompts[:refill], prompt_lengths[:refill], key_prefill, group)
+        if paged:
+          table = jnp.full((refill, pages.max_pages), -1, jnp.int32)
+          return paging.admit_paged.lower(state, new, probe_rows, probe_rows, table).compile()
+        return _admit.lower(state, new, probe_rows, probe_rows).compile()
+
+      queue_jobs = (lambda: _harvest.lower(results, state).compile(), compile_admission)
     if paged:  # swapping's page copies
       queue_jobs += (lambda: pages.compile_swaps(state.cache),)
     self.prepare_buckets(state, buckets if self.engine.compile_ahead else buckets[:1],

@@ -13,6 +13,8 @@ Waiting rows are admitted only while no admitted row waits.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -69,7 +71,7 @@ def start_paged(state: EngineState, pool: PagedKV, table: jax.Array,
                        row_ids=jnp.where(admitted, state.row_ids, -1))
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("state",))
 def admit_paged(state: EngineState, new: EngineState, slots: jax.Array, row_ids: jax.Array,
                 table: jax.Array) -> EngineState:
   """`engine._admit` for a paged state: the prefilled rows `new` (dense prompt caches) into
