@@ -201,8 +201,8 @@ class CostTable:
     self._prepared.add(key)
     return True
 
-  def step_cost(self, key: tuple, run: Callable[[int], int], iters: int, repeats: int,
-                compiled: bool = False) -> float:
+  def step_cost(self, key: tuple, run: Callable[[int], int | tuple[int, float]], iters: int,
+                repeats: int) -> float:
     """Seconds per step of `key`, measured the first time it is asked for. `run(m)` runs a
     segment of at most m steps to completion (results discarded) and returns the steps it ran,
     or (steps, seconds) when it times the segment itself (leaving out its own preparation).
@@ -219,8 +219,7 @@ class CostTable:
       if got is not None:
         self._set(key, *got)
     if key not in self._step:
-      if not compiled:
-        run(iters)
+      run(iters)
       best = {iters: (float("inf"), 0), 2 * iters: (float("inf"), 0)}
       for _ in range(repeats):
         for m in best:

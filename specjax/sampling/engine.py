@@ -109,27 +109,33 @@ def _admit(state: EngineState, new: EngineState, slots: jax.Array,
   return jax.tree.map(lambda o, s: o.at[idx].set(s, mode="drop"), state, new)
 
 
-# the engine's programs, by the name XLA compiles them under
-_PROGRAMS = frozenset(f"jit({name})" for name in (
-    "init_state", "run_segment", "take_rows", "_summary", "_write_back", "_harvest", "_admit",
-    "start_paged", "admit_paged", "read_pages", "write_pages"))
-_BUILT = [0]  # of them, compiled or loaded from the persistent compilation cache, this process
+class ProgramCount:
+  """How many of the engine's programs XLA has compiled, or loaded from the persistent
+  compilation cache, in this process. JAX reports every compile to process-wide listeners, so
+  there is one count per process (`PROGRAMS`)."""
+
+  NAMES = frozenset(f"jit({name})" for name in (  # the engine's programs, as XLA names them
+      "init_state", "run_segment", "take_rows", "_summary", "_write_back", "_harvest", "_admit",
+      "start_paged", "admit_paged", "read_pages", "write_pages"))
+
+  def __init__(self):
+    self.count = 0
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def _on_event(self, event: str, *args, fun_name: str = "", **kwargs) -> None:
+    # (the event covers a compile and a load from the persistent cache alike)
+    if event == "/jax/core/compile/backend_compile_duration" and fun_name in self.NAMES:
+      self.count += 1
 
 
-def _count_built(event: str, *args, fun_name: str = "", **kwargs) -> None:
-  # (the event covers a compile and a load from the persistent cache alike)
-  if event == "/jax/core/compile/backend_compile_duration" and fun_name in _PROGRAMS:
-    _BUILT[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_built)
+PROGRAMS = ProgramCount()
 
 
 def compiled_programs() -> int:
   """Programs the engine has compiled (or loaded from the persistent compilation cache) in this
   process: prefills, segments (compiled ahead of their first run, which would take their state),
   compaction's gathers, summaries and write-backs, and the queue's harvests and admissions."""
-  return _BUILT[0]
+  return PROGRAMS.count
 
 
 class _Run:
@@ -180,9 +186,9 @@ class _Run:
                                       stop_at_paused)
     return _segment_jit(*args, **kwargs)
 
-  def compile_segment(self, state, bucket: int, k: int, window: int) -> None:
-    """Compile the segment program of (bucket, K, window) for `state`'s shapes without running
-    it (a run would take the state); its first run then finds it compiled."""
+  def compile_segment(self, state, k: int, window: int) -> None:
+    """Compile the segment program of (K, window) for `state`'s shapes (its bucket) without
+    running it (a run would take the state); its first run then finds it compiled."""
     args, kwargs = self._segment_args(state, self.probe_key, k, window, 0, 0, 1)
     _segment_jit.lower(*args, **kwargs).compile()
 
@@ -252,7 +258,7 @@ class _Run:
     for b in buckets:
       for k in ks:
         window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
-        jobs.append(lambda b=b, k=k, w=window: self.compile_segment(subs[b], b, k, w))
+        jobs.append(lambda b=b, k=k, w=window: self.compile_segment(subs[b], k, w))
     threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
     if threads > 1:
       with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -313,10 +319,10 @@ class _Run:
     compact = self.engine.compaction and queue_ok
     buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
         if compact else bucket_sizes(slots, dp, slots)
-    key_prefill, self.key_loop = jax.random.split(key)
+    key_prefill, key_loop = jax.random.split(key)
     # calibration and bucket preparation run segments with a key of the caller's kind (a typed
     # key or raw uint32[2]: they are different programs), so they compile what the run uses
-    self.probe_key = jax.random.fold_in(self.key_loop, 2**31 - 1)
+    self.probe_key = jax.random.fold_in(key_loop, 2**31 - 1)
     state = self.prefill(prompts[:slots], prompt_lengths[:slots], key_prefill, group)
     width = state.tokens.shape[1]
     results = Results(tokens=jnp.zeros((batch, width), jnp.int32),
@@ -436,14 +442,14 @@ class _Run:
       longest = int(seq_lengths.max())
       k, expected = self.policy.choose(lambda k: self.cost(state, bucket, k, longest), live)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
-      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
-        # its first segment: compile it first, so the timing below holds only steps
-        self.compile_segment(state, bucket, k, window)
-        self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
-        self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
       max_iters = self.policy.budget(k, j)
+      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
+        # its first segment: compile it first, so the timing below holds only steps
+        self.compile_segment(state, k, window)
+        self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
+        self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       if len(queue):  # return once `refill` slots are free (or pages: once a row ends)
         stop_at_live = live - 1 if no_pages else slots - refill
       else:
@@ -453,7 +459,7 @@ class _Run:
       # (paged) a segment also returns once a refill's worth more rows wait for pages
       waiting = pages.paused if paged else 0
       paused = waiting + max(refill if len(queue) else live // 8, 1)
-      state, iters = self.segment(state, jax.random.fold_in(self.key_loop, len(self.segments)),
+      state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
                                   bucket, k, window, max_iters, stop_at_live, paused)
       if bucket == slots:  # (the segment took the state `out` held)
         out = state
