@@ -94,7 +94,7 @@ def test_greedy_queue_equals_the_plain_loop(target, static_ar, max_rows, refill)
   assert_same_rollout(out, static_ar)
   # the slots stayed full while rows waited: every segment before the drain started with all of
   # them but fewer than a refill's worth
-  slots, per_refill = queue_slots(24, max_rows, 1, 1, refill)
+  slots, per_refill, _ = queue_slots(24, max_rows, 1, 1, refill)
   assert max(s.bucket for s in out.segments) == slots
   assert len(out.segments) > 24 // slots
   assert out.segments[0].live_rows_start > slots - per_refill
@@ -117,8 +117,8 @@ def test_greedy_speculative_queue_equals_the_plain_loop(target, static_ar, kind)
   assert np.all(drafts <= np.maximum(np.asarray(static_ar.lengths) - 1, 0))
 
 
-def test_queue_admits_whole_groups_and_shares_their_prefill(target):
-  """GRPO groups (4 samples of each of 6 prompts) are admitted whole; sharing each group's
+def test_queue_prefills_whole_groups_and_shares_their_prefill(target):
+  """GRPO groups (4 samples of each of 6 prompts) are prefilled whole; sharing each group's
   prefill changes nothing the rows emit."""
   prompts = jnp.repeat(PROMPTS[:6], 4, axis=0)
   lengths = jnp.repeat(PROMPT_LENGTHS[:6], 4)
@@ -127,21 +127,52 @@ def test_queue_admits_whole_groups_and_shares_their_prefill(target):
   run = lambda share: generate(target, prompts, lengths, jax.random.key(3), cfg,
                                engine=EngineConfig(max_rows=8, refill_fraction=0.5,
                                                    share_prefill=share))
-  assert queue_slots(24, 8, 4, 1, 0.5) == queue_slots(24, 8, 1, 1, 0.5) == (8, 4)
+  assert queue_slots(24, 8, 4, 1, 0.5) == queue_slots(24, 8, 1, 1, 0.5) == (8, 4, 4)
   assert_same_rollout(run(True), run(False))
 
 
 def test_queue_slots_are_whole_groups_over_the_data_parallel_size():
-  assert queue_slots(64, 0, 4, 1, 0.125) == (64, 64)  # no queue
-  assert queue_slots(64, 64, 4, 1, 0.125) == (64, 64)
-  assert queue_slots(64, 16, 1, 1, 0.125) == (16, 2)
-  assert queue_slots(64, 16, 4, 1, 0.125) == (16, 4)  # a refill is at least one group
-  assert queue_slots(64, 18, 4, 2, 0.125) == (16, 8)  # ... on each data-parallel replica
-  assert queue_slots(64, 3, 4, 2, 0.5) == (8, 8)  # at least one group per replica
+  # (slots, refill, prefill)
+  assert queue_slots(64, 0, 4, 1, 0.125) == (64, 64, 64)  # no queue
+  assert queue_slots(64, 64, 4, 1, 0.125) == (64, 64, 64)
+  assert queue_slots(64, 16, 1, 1, 0.125) == (16, 2, 2)
+  # a refill of 2 slots; a prefill is at least one group, whose other samples wait prefilled
+  assert queue_slots(64, 16, 4, 1, 0.125) == (16, 2, 4)
+  assert queue_slots(64, 16, 4, 1, 0.125, whole_groups=True) == (16, 4, 4)  # paged
+  # slots and prefills are groups on each data-parallel replica, refills whole rows per replica
+  assert queue_slots(64, 18, 4, 2, 0.125) == (16, 2, 8)
+  assert queue_slots(64, 3, 4, 2, 0.5) == (8, 4, 8)
+  assert queue_slots(64, 3, 4, 2, 0.5, whole_groups=True) == (8, 8, 8)
   with pytest.raises(ValueError, match="EngineConfig.max_rows"):
     EngineConfig(max_rows=-1)
   with pytest.raises(ValueError, match="EngineConfig.refill_fraction"):
     EngineConfig(refill_fraction=0.0)
+
+
+def test_a_groups_samples_take_slots_as_they_free_from_one_prefill(target, monkeypatch):
+  """Refills of 2 slots with GRPO groups of 4: a group is prefilled once, its first samples take
+  the free slots and the others wait, prefilled, for the next ones. Greedy: what each row emits
+  is the plain loop's."""
+  prompts = jnp.repeat(PROMPTS[:6], 4, axis=0)
+  lengths = jnp.repeat(PROMPT_LENGTHS[:6], 4)
+  static = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
+  prefilled = []
+  real = eng._init_jit
+
+  def counted(graphdef, params, drafter, drafter_params, prompts, *args, **kwargs):
+    prefilled.append(prompts.shape[0])
+    return real(graphdef, params, drafter, drafter_params, prompts, *args, **kwargs)
+
+  monkeypatch.setattr(eng, "_init_jit", counted)
+  engine = EngineConfig(max_rows=8, refill_fraction=0.25)
+  assert queue_slots(24, 8, 4, 1, 0.25) == (8, 2, 4)
+  out = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=engine)
+  assert_same_rollout(out, static)
+  # the 8 first rows, the admission program's compile probe, then each of the 4 waiting groups
+  # once
+  assert prefilled == [8, 4, 4, 4, 4, 4]
+  # the slots were refilled 2 at a time: the first segment returned with 2 slots free
+  assert out.segments[0].live_rows_start == 8 and len(out.segments) > 4
 
 
 def assert_nothing_compiles_after_the_first_rollout(target, engine: EngineConfig, rounds: int):
@@ -191,12 +222,14 @@ def stat_prompts():
   return prompts, jnp.where(jnp.arange(ROWS) % 2 == 0, 8, 5).astype(jnp.int32)
 
 
-def categories(out) -> np.ndarray:
+def categories(out, kinds=None) -> np.ndarray:
   """int[B, N]: (prompt kind, token) per position; finished positions are token V (end). A row
-  that came back in another row's place shows up as the other prompt's distribution."""
+  that came back in another row's place shows up as the other prompt's distribution. `kinds`:
+  each row's prompt (default: alternating, as `stat_prompts`)."""
   v = CFG.vocab_size
   tok = np.where(np.asarray(out.mask), np.asarray(out.tokens), v)
-  return tok + (v + 1) * (np.arange(ROWS) % 2)[:, None]
+  kinds = np.arange(ROWS) % 2 if kinds is None else np.asarray(kinds)
+  return tok + (v + 1) * kinds[:, None]
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +266,28 @@ def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, pl
   assert_same_distribution(plain_samples, out, kind)
 
 
-def assert_same_distribution(plain, out, what: str) -> None:
+def test_temperature_one_groups_admitted_in_parts_match_the_plain_loop(target, plain_samples):
+  """GRPO groups of 4 (`stat_prompts`' two prompts in alternating blocks), 64 slots refilled 7
+  at a time from prefills of 8 rows (two groups): most refills admit part of a group, whose
+  other samples wait prefilled. Each prompt's rows keep the plain loop's distribution."""
+  a, a_len = (x[0] for x in stat_prompts())
+  b, b_len = (x[1] for x in stat_prompts())
+  kinds = (np.arange(ROWS) // 4) % 2
+  prompts = jnp.where(jnp.asarray(kinds == 0)[:, None], a, b)
+  lengths = jnp.where(jnp.asarray(kinds == 0), a_len, b_len)
+  engine = EngineConfig(max_rows=64, refill_fraction=0.1, max_buckets=2, calibration_repeats=1)
+  assert queue_slots(ROWS, 64, 4, 1, 0.1) == (64, 7, 8)
+  out = generate(target, prompts, lengths, jax.random.key(21), SAMPLE, engine=engine)
+  # (each admission places 7 rows, so a prefill of 8 always leaves one waiting)
+  assert len(out.segments) > ROWS // 64  # the queue refilled
+  assert_same_distribution(plain_samples, out, "groups in parts", kinds)
+
+
+def assert_same_distribution(plain, out, what: str, kinds=None) -> None:
   """Two rollouts of `stat_prompts` agree in distribution: each of POSITIONS and the pair of
-  positions (1, 2), per prompt, two-sample chi-square tests at family-wise level ALPHA."""
-  a, b = categories(plain), categories(out)
+  positions (1, 2), per prompt, two-sample chi-square tests at family-wise level ALPHA. `kinds`:
+  `out`'s prompt per row (default: alternating)."""
+  a, b = categories(plain), categories(out, kinds)
   num_cats = 2 * (CFG.vocab_size + 1)
   alpha = stats.bonferroni(ALPHA, len(POSITIONS) + 1)
   for j in POSITIONS:

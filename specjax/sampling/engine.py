@@ -312,10 +312,12 @@ class _Run:
       raise ValueError("EngineConfig.kv_cache_gb: paged KV memory runs on one device, not yet "
                        "on a mesh; use dense caches (kv_cache_gb=0) on a mesh")
     group = prompt_group(prompts, prompt_lengths, dp) if self.engine.share_prefill else 1
-    # a queue: `slots` rows step at once, `refill` waiting rows are admitted at a time
+    # a queue: `slots` rows step at once; a segment returns once `refill` slots are free, and
+    # they take waiting rows, prefilled `prefill_rows` (whole prompt groups) at a time
     queue_ok = self.drafter is None or self.drafter.row_local
-    slots, refill = queue_slots(batch, self.engine.max_rows if queue_ok else 0, group, dp,
-                                self.engine.refill_fraction)
+    slots, refill, prefill_rows = queue_slots(
+        batch, self.engine.max_rows if queue_ok else 0, group, dp, self.engine.refill_fraction,
+        whole_groups=paged)
     compact = self.engine.compaction and queue_ok
     buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
         if compact else bucket_sizes(slots, dp, slots)
@@ -329,7 +331,10 @@ class _Run:
                       logprobs=jnp.zeros((batch, width), jnp.float32),
                       lengths=jnp.zeros((batch,), jnp.int32),
                       counts=AcceptanceCounts.zeros(state.counts.draft_len, batch))
-    queue = np.arange(slots, batch)  # the caller's rows still waiting, in order
+    queue = np.arange(slots, batch)  # the caller's rows still waiting (not prefilled), in order
+    # a prefill's rows that found no free slot yet: (its state, the caller's rows, -1 for
+    # padding past the queue's end; which of them still wait)
+    pending = None
     pages, host_lengths = None, None
     if paged:
       host_lengths = np.asarray(jax.device_get(prompt_lengths))
@@ -337,21 +342,45 @@ class _Run:
       queue = np.concatenate([unplaced, queue]).astype(np.int64)
     admissions, swaps_before = 0, 0
 
+    def waiting() -> int:
+      return len(queue) + (0 if pending is None else int(pending[2].sum()))
+
     def admit(state, free_slots):
-      """Prefill the next `refill` waiting rows (padding past the queue's end) into free slots;
-      a paged run admits the whole prompt groups its free pages hold (None: not one)."""
-      nonlocal queue, admissions
+      """The next `refill` waiting rows into free slots: (state, rows admitted). Dense: from
+      the pending prefill, or from a prefill of the next `prefill_rows` (padded past the queue's
+      end) when none is pending. Paged: a prefill of the whole prompt groups the free pages hold
+      (None: not one)."""
+      nonlocal queue, admissions, pending
+      if not paged:
+        if pending is None:
+          rows = queue[:prefill_rows]
+          queue = queue[len(rows):]
+          ids = np.concatenate([rows, np.full(prefill_rows - len(rows), -1)]).astype(np.int32)
+          take = np.where(ids >= 0, ids, rows[-1])
+          admissions += 1
+          pending = (self.prefill(prompts[take], prompt_lengths[take],
+                                  jax.random.fold_in(key_prefill, admissions), group),
+                     ids, ids >= 0)
+        new, ids, wait = pending
+        now = np.flatnonzero(wait)[:min(refill, len(free_slots))]
+        into = np.zeros(prefill_rows, np.int32)
+        into[now] = free_slots[:len(now)]
+        row_ids = np.full(prefill_rows, -1, np.int32)
+        row_ids[now] = ids[now]
+        wait[now] = False
+        if not wait.any():
+          pending = None
+        return _admit(state, new, jnp.asarray(into), jnp.asarray(row_ids)), len(now)
       rows = queue[:refill]
       into = free_slots[:refill]
-      if paged:
-        placed = 0
-        while placed < len(rows) and pages.admit(
-            into[placed:placed + group], host_lengths[rows[placed:placed + group]] + 1,
-            self.k_max, int(host_lengths[rows[placed]]) if group > 1 else 0):
-          placed += group
-        if not placed:
-          return None
-        rows = rows[:placed]
+      placed = 0
+      while placed < len(rows) and pages.admit(
+          into[placed:placed + group], host_lengths[rows[placed:placed + group]] + 1,
+          self.k_max, int(host_lengths[rows[placed]]) if group > 1 else 0):
+        placed += group
+      if not placed:
+        return None
+      rows = rows[:placed]
       queue = queue[len(rows):]
       take = np.concatenate([rows, np.full(refill - len(rows), rows[-1])]).astype(np.int32)
       ids = np.concatenate([rows, np.full(refill - len(rows), -1)]).astype(np.int32)
@@ -359,20 +388,19 @@ class _Run:
       new = self.prefill(prompts[take], prompt_lengths[take],
                          jax.random.fold_in(key_prefill, admissions), group)
       into, ids = jnp.asarray(into, jnp.int32), jnp.asarray(ids)
-      if paged:
-        return paging.admit_paged(state, new, into, ids,
-                                  jnp.asarray(pages.table(np.asarray(into), np.asarray(ids))))
-      return _admit(state, new, into, ids)
+      return paging.admit_paged(state, new, into, ids, jnp.asarray(
+          pages.table(np.asarray(into), np.asarray(ids)))), len(rows)
 
     queue_jobs = ()
     if len(queue):  # the admission programs compile with the others (compiled, not run: a
       # harvest and an admission take the state they update)
-      probe_rows = jnp.arange(refill, dtype=jnp.int32)
+      probe_rows = jnp.arange(prefill_rows, dtype=jnp.int32)
 
       def compile_admission():
-        new = self.prefill(prompts[:refill], prompt_lengths[:refill], key_prefill, group)
+        new = self.prefill(prompts[:prefill_rows], prompt_lengths[:prefill_rows], key_prefill,
+                           group)
         if paged:
-          table = jnp.full((refill, pages.max_pages), -1, jnp.int32)
+          table = jnp.full((prefill_rows, pages.max_pages), -1, jnp.int32)
           return paging.admit_paged.lower(state, new, probe_rows, probe_rows, table).compile()
         return _admit.lower(state, new, probe_rows, probe_rows).compile()
 
@@ -392,18 +420,18 @@ class _Run:
       if paged:  # pages: finished rows give theirs back, live rows take more, swaps
         state = self.visit_pages(state, pages, summary)
       no_pages = False  # waiting rows found free slots but no pages
-      while len(queue) and slots - live >= refill:  # admit waiting rows into free slots
+      while waiting() and slots - live >= refill:  # admit waiting rows into free slots
         results, state = _harvest(results, state)
         # one read of the free slots per refill, not per admission
         free = np.flatnonzero(np.asarray(jax.device_get(state.row_ids)) < 0)
         admitted = False
-        while len(queue) and len(free) >= refill:
+        while waiting() and len(free) >= refill:
           new_state = admit(state, free)
           if new_state is None:  # no pages: wait for rows to finish
             no_pages = True
             break
-          state, admitted = new_state, True
-          free, live = free[refill:], live + refill
+          (state, placed), admitted = new_state, True
+          free, live = free[placed:], live + placed
         out = state
         # (an admitted row can be done at once: its first token ended it)
         summary = jax.device_get(_summary(state))
@@ -412,7 +440,7 @@ class _Run:
         if not admitted:
           break
       if live == 0:
-        if not len(queue):
+        if not waiting():
           break
         # every row is done: the pages of rows that ended at their first token come back at
         # the next visit; with every page free, a prompt group must fit
@@ -423,7 +451,7 @@ class _Run:
               f"({group} rows); raise kv_cache_gb or lower page_ahead")
         continue
       fits = [b for b in buckets if b >= live]
-      if compact and not len(queue) and fits[-1] < bucket:
+      if compact and not waiting() and fits[-1] < bucket:
         # gather the live rows into the smallest bucket, from the full-size state (brought up
         # to date first): one gather program per bucket, whichever bucket the rows come from
         # (a full-size state is its own write-back; `out` then is an earlier state, whose
@@ -450,15 +478,15 @@ class _Run:
         self.compile_segment(state, k, window)
         self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
         self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
-      if len(queue):  # return once `refill` slots are free (or pages: once a row ends)
+      if waiting():  # return once `refill` slots are free (or pages: once a row ends)
         stop_at_live = live - 1 if no_pages else slots - refill
       else:
         smaller = [b for b in buckets if b < bucket]
         stop_at_live = smaller[0] if compact and smaller else 0
       t0 = time.perf_counter()
       # (paged) a segment also returns once a refill's worth more rows wait for pages
-      waiting = pages.paused if paged else 0
-      paused = waiting + max(refill if len(queue) else live // 8, 1)
+      paused_rows = pages.paused if paged else 0
+      paused = paused_rows + max(refill if waiting() else live // 8, 1)
       state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
                                   bucket, k, window, max_iters, stop_at_live, paused)
       if bucket == slots:  # (the segment took the state `out` held)
@@ -480,7 +508,7 @@ class _Run:
                                    drafter_retired=self.policy.retired,
                                    pages_in_use=pages.alloc.pages_in_use if paged else 0,
                                    swapped_out=pages.swaps - swaps_before if paged else 0,
-                                   waiting_for_pages=waiting))
+                                   waiting_for_pages=paused_rows))
       swaps_before = pages.swaps if paged else 0
     out = state if bucket == slots else _write_back(out, state)
     results, _ = _harvest(results, out)

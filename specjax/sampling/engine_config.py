@@ -15,8 +15,10 @@ class EngineConfig:
   # slots: rows stepped at once; a longer batch is a queue, admitted into slots as rows finish
   # (0: every row at once)
   max_rows: int = 0
-  # a segment returns to admit waiting rows once this fraction of the slots is free (rounded up
-  # to whole prompt groups); each admission is one prefill of that many rows
+  # a segment returns to admit waiting rows once this fraction of the slots is free; rows are
+  # prefilled in whole prompt groups (at least that many rows), and a group's samples that find
+  # no free slot wait prefilled (dense: their caches held meanwhile) for the next ones (paged:
+  # refills are whole groups, which share their prompt pages)
   refill_fraction: float = 0.125
   # the target's KV memory in GiB: > 0 pages it (rows take pages of page_size positions as they
   # grow, `paging.py`) and admits waiting rows while pages are free; 0: a dense cache of the
