@@ -1,10 +1,12 @@
 """GPU benchmark in one command: the paged-attention kernel against its reference, AR decode
 against the memory-read roof at Qwen3-1.7B and Qwen3-8B shapes (random weights, bfloat16) at batch
 1/64/256, the speculative engine on a workload whose drafts are accepted, first-call (compile)
-times and peak device memory. JSON out, written after every stage, so a run stopped at its time
-limit keeps what it measured.
+times and peak device memory; on request a GRPO-shaped queue (waves, continuous batching, paged
+against dense KV memory at one budget). JSON out, written after every stage, so a run stopped at
+its time limit keeps what it measured.
 
   python experiments/bench_gpu.py --out runs/bench_gpu.json      # H100: the stages end near 450 s
+  python experiments/bench_gpu.py --stages queue --out runs/bench_gpu_queue.json  # the queue
   python experiments/bench_gpu.py --smoke                        # tiny shapes, any machine, seconds
 
 Needs jax, flax, optax, numpy, safetensors, tokenizers, jinja2, tqdm (a GPU image's usual set);
@@ -45,6 +47,17 @@ What each figure is:
   speculative plain loop at K = --draft-len, and the adaptive engine (K in 0..--draft-len per
   segment); tokens/s (of the fastest of --repeats calls after the first) and first-call seconds
   of each.
+- queue (run it by name: `--stages queue`): a GRPO-shaped queue at --queue-model, the
+  speculative stage's target (drafts accepted): --queue-prompts prompts x --queue-group samples
+  at temperature 1, --queue-new-tokens at most, an EOS set of random token ids sized so that
+  lengths are about geometric with mean a quarter of the maximum (long-tailed; the lengths
+  reached are recorded). Arms: `waves` (batches of --queue-slots rows, one `generate` call each),
+  `continuous` (one call, `EngineConfig(max_rows=--queue-slots)`), `continuous_spec` (the same
+  with the draft model, adaptive K), and at one KV budget (what half the slots' dense caches
+  take) `dense` (that many slots) against `paged` (`kv_cache_gb` = the budget, up to
+  --queue-slots slots): tokens/s (the fastest of --queue-repeats calls after the first), rows
+  held (most live rows a segment started with, and the step-weighted mean), peak memory. Every
+  arm compiles its buckets (at most --queue-buckets) before its first segment.
 """
 
 from __future__ import annotations
@@ -109,6 +122,16 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--reads-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--reads-chunk", type=int, default=None,
                  help="cache positions per chunk of the chunked arm (default: the library's)")
+  q = p.add_argument_group("queue stage")
+  q.add_argument("--queue-model", default="qwen3-1.7b", choices=list(SHAPES))
+  q.add_argument("--queue-prompts", type=int, default=64)
+  q.add_argument("--queue-group", type=int, default=4, help="samples per prompt (GRPO's G)")
+  q.add_argument("--queue-slots", type=int, default=64)
+  q.add_argument("--queue-prompt-len", type=int, default=128)
+  q.add_argument("--queue-new-tokens", type=int, default=1024)
+  q.add_argument("--queue-buckets", type=int, default=3,
+                 help="EngineConfig.max_buckets of every queue arm (compiled ahead)")
+  q.add_argument("--queue-repeats", type=int, default=2)
   p.add_argument("--paged-batch", type=int, default=64)
   p.add_argument("--paged-context", type=int, default=2048,
                  help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
@@ -126,18 +149,25 @@ def parse_args(argv=None) -> argparse.Namespace:
                    prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64,
                    reads_model="smoke", reads_batches=[2], reads_chunk=4, repeats=2,
                    context_model="smoke", context_len=24, context_batches=[2],
-                   stages=["paged", "decode", "context", "spec", "reads"])
+                   queue_model="smoke", queue_prompts=6, queue_group=2, queue_slots=4,
+                   queue_prompt_len=8, queue_new_tokens=64, queue_repeats=1, queue_buckets=1,
+                   stages=["paged", "decode", "context", "spec", "reads", "queue"])
   a = p.parse_args(argv)
   for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "paged_batch",
-               "paged_context", "repeats", "context_len"):
+               "paged_context", "repeats", "context_len", "queue_prompts", "queue_group",
+               "queue_slots", "queue_prompt_len", "queue_new_tokens", "queue_buckets",
+               "queue_repeats"):
     if getattr(a, name) < 1:
       p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
   for stage in a.stages:
     name, _, shape = stage.partition("=")
-    if name not in ("paged", "decode", "context", "spec", "reads") or (shape and (name != "decode"
-                                                               or shape not in SHAPES)):
+    if name not in ("paged", "decode", "context", "spec", "reads", "queue") or (
+        shape and (name != "decode" or shape not in SHAPES)):
       p.error(f"--stages: {stage!r} is not paged, decode, decode=SHAPE (one of "
-              f"{', '.join(SHAPES)}), context, spec or reads")
+              f"{', '.join(SHAPES)}), context, spec, reads or queue")
+  if a.queue_slots % a.queue_group or a.queue_slots < 2 * a.queue_group:
+    p.error(f"--queue-slots ({a.queue_slots}) must be a multiple of --queue-group "
+            f"({a.queue_group}) holding at least two groups")
   if any(b < 1 for b in a.batches + a.spec_batches + a.reads_batches + a.context_batches):
     p.error("batches must be >= 1")
   return a
@@ -386,6 +416,103 @@ def spec_stage(a, results: dict) -> None:
   write(a, results)
 
 
+def queue_stage(a, results: dict) -> None:
+  model = build_target(a.queue_model, a.dtype, a.draft_layers, a.seed)
+  draft, dparams = DraftModelDrafter.from_model(truncated_copy(model, a.draft_layers), a.draft_len)
+  cfg = model.cfg
+  rng = np.random.default_rng(a.seed + 7)
+  # an EOS set of random ids: under a near-uniform next-token distribution a row ends at each
+  # step with probability |EOS| / V, so its length is about geometric with mean max_new / 4
+  n_eos = max(1, round(cfg.vocab_size * 4 / a.queue_new_tokens))
+  eos = tuple(int(t) for t in rng.choice(np.arange(1, cfg.vocab_size), n_eos, replace=False))
+  scfg = SamplingConfig(max_new_tokens=a.queue_new_tokens, temperature=1.0, eos_ids=eos)
+  distinct, _ = prompts_for(a.queue_prompts, a.queue_prompt_len, cfg.vocab_size, a.seed + 2000)
+  prompts = jnp.repeat(distinct, a.queue_group, axis=0)
+  rows, slots = prompts.shape[0], a.queue_slots
+  lengths = jnp.full((rows,), a.queue_prompt_len, jnp.int32)
+  # one KV budget: what half the slots' dense caches take (prompt + max_new positions each)
+  budget_rows = max(slots // 2 // a.queue_group, 1) * a.queue_group
+  itemsize = jnp.dtype(cfg.dtype).itemsize
+  token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
+  budget_gb = budget_rows * (a.queue_prompt_len + a.queue_new_tokens) * token_bytes / 2**30
+  engine = functools.partial(EngineConfig, compile_ahead=True, max_buckets=a.queue_buckets)
+  tuning = EngineTuning()
+
+  def waves(i):
+    outs = [generate(model, prompts[w:w + slots], lengths[w:w + slots],
+                     jax.random.fold_in(jax.random.key(i), w), scfg, engine=engine())
+            for w in range(0, rows, slots)]
+    return outs
+
+  arms = {
+      "waves": waves,
+      "continuous": lambda i: [generate(model, prompts, lengths, jax.random.key(i), scfg,
+                                        engine=engine(max_rows=slots))],
+      "continuous_spec": lambda i: [speculative_generate(
+          model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
+          engine=engine(max_rows=slots), tuning=tuning)],
+      "dense": lambda i: [generate(model, prompts, lengths, jax.random.key(i), scfg,
+                                   engine=engine(max_rows=budget_rows))],
+      "paged": lambda i: [generate(model, prompts, lengths, jax.random.key(i), scfg,
+                                   engine=engine(max_rows=slots, kv_cache_gb=budget_gb))],
+  }
+  stage = {"model": a.queue_model, "rows": rows, "slots": slots, "group": a.queue_group,
+           "prompt_len": a.queue_prompt_len, "max_new_tokens": a.queue_new_tokens,
+           "eos_ids": len(eos), "kv_budget_gb": budget_gb, "kv_budget_dense_rows": budget_rows,
+           "arms": {}}
+  results["queue"] = stage
+  for name, fn in arms.items():
+    if over_budget(a, f"queue {name}", results):
+      break
+    try:
+      t0 = time.perf_counter()
+      jax.block_until_ready([o.tokens for o in fn(0)])
+      first = time.perf_counter() - t0
+      calls, best = [], None
+      for i in range(1, 1 + a.queue_repeats):
+        t0 = time.perf_counter()
+        outs = fn(i)
+        jax.block_until_ready([o.tokens for o in outs])
+        calls.append(time.perf_counter() - t0)
+        if best is None or calls[-1] < best[0]:
+          best = (calls[-1], outs)
+    except Exception as e:  # e.g. out of memory: keep the other arms
+      stage["arms"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+      log(f"queue {name}: failed ({stage['arms'][name]['error'][:200]})")
+      write(a, results)
+      continue
+    call, outs = best
+    lens = np.concatenate([np.asarray(o.lengths) for o in outs])
+    segs = [s for o in outs for s in o.segments]
+    steps = sum(s.iterations for s in segs)
+    rec = {"first_call_s": first, "call_s": call, "calls_s": calls,
+           "tokens": int(lens.sum()), "tokens_per_s": float(lens.sum()) / call,
+           "length_quantiles": [float(np.quantile(lens, q)) for q in (0.1, 0.5, 0.9)],
+           "length_max": int(lens.max()), "segments": len(segs), "steps": steps,
+           "rows_max": max(s.live_rows_start for s in segs),
+           "rows_mean": sum(s.live_rows_start * s.iterations for s in segs) / max(steps, 1),
+           "peak_memory_gb": peak_memory_gb()}
+    if name == "continuous_spec":
+      m = AcceptanceMetrics.from_counts(outs[0].stats)
+      rec["acceptance_length"] = m.acceptance_length if m.num_drafts else None
+      rec["steps_by_k"] = {}
+      for sg in segs:
+        rec["steps_by_k"][str(sg.draft_len)] = rec["steps_by_k"].get(str(sg.draft_len), 0) + \
+            sg.iterations
+    if name == "paged":
+      rec["pages_in_use_max"] = max(s.pages_in_use for s in segs)
+      rec["swapped_out"] = sum(s.swapped_out for s in segs)
+    stage["arms"][name] = rec
+    base = stage["arms"].get("waves", {}).get("tokens_per_s")
+    vs = f"  x{rec['tokens_per_s'] / base:.2f} of waves" if base else ""
+    log(f"queue {a.queue_model} {name:15s}: {rec['tokens_per_s']:9.0f} tok/s  first call "
+        f"{first:6.1f} s  rows {rec['rows_max']} max / {rec['rows_mean']:.1f} mean  lengths "
+        f"p10/p50/p90 {'/'.join(f'{x:.0f}' for x in rec['length_quantiles'])}{vs}")
+    write(a, results)
+  model = draft = dparams = None
+  gc.collect()
+
+
 PAGE_SIZE = 16
 ENGINE_CHECK_SHAPE = dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4,
                           head_dim=128, mlp_hidden=1024, vocab_size=4096, tie_embeddings=True)
@@ -565,6 +692,8 @@ def main(argv=None) -> dict:
       spec_stage(a, results)
     if stage == "reads" and not over_budget(a, "reads", results):
       reads_stage(a, bandwidth, results)
+    if stage == "queue" and not over_budget(a, "queue", results):
+      queue_stage(a, results)
   log(f"done: {a.out}")
   return results
 

@@ -192,4 +192,11 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   assert set(arms) == {"ar", "spec_static", "spec_adaptive"}
   # layers past the draft's have zero output projections: the draft model is the target
   assert arms["spec_static"]["acceptance_length"] == pytest.approx(5.0)
+  queue = data["queue"]  # 6 prompts x 2 samples on 4 slots; half the slots' KV as the budget
+  assert set(queue["arms"]) == {"waves", "continuous", "continuous_spec", "dense", "paged"}
+  assert queue["rows"] == 12 and queue["kv_budget_dense_rows"] == 2
+  for name, rec in queue["arms"].items():
+    assert rec["tokens_per_s"] > 0 and rec["tokens"] > 0 and rec["rows_max"] <= 4, name
+  assert queue["arms"]["dense"]["rows_max"] <= 2  # its slots are the budget's rows
+  assert queue["arms"]["continuous_spec"]["acceptance_length"] > 1.0
   assert "skipped" not in data
