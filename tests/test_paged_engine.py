@@ -112,6 +112,22 @@ def test_paged_batch_without_a_queue_compacts_and_equals_the_plain_loop(target, 
   assert min(s.bucket for s in out.segments) < 24  # compaction ran on the paged state
 
 
+def test_a_kv_budget_alone_sets_the_slots(target, static_ar, page_checks):
+  """`kv_cache_gb` without `max_rows`: the slots are the rows the empty pool holds at once (each
+  row's prompt, its first token and `page_ahead` positions, in order), and the other rows queue
+  for them instead of waiting for every slot to be free. Each row emits the plain loop's."""
+  num_pages = 24
+  need = -(-(np.asarray(PROMPT_LENGTHS) + 1 + 4) // PAGE)  # pages of a row when admitted
+  holds = int(np.searchsorted(np.cumsum(need), num_pages, side="right"))
+  assert 4 < holds < 24
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
+                 engine=paged(num_pages, max_rows=0))
+  assert_same_rollout(out, static_ar)
+  assert out.segments[0].bucket == holds
+  # refills came while rows were still live (a queue, not waves of the whole batch)
+  assert any(s.bucket == holds and 0 < s.live_rows_start for s in out.segments[1:])
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_length_mixes_keep_pages_consistent(target, page_checks, seed):
   rng = np.random.default_rng(seed)

@@ -103,8 +103,8 @@ class RolloutConfig:
   max_rows: int = _ENGINE.max_rows
   refill_fraction: float = _ENGINE.refill_fraction
   # the target's KV memory for the rollouts in GiB: > 0 pages it (rows hold pages for the tokens
-  # they have; waiting rows are admitted while pages are free); 0: a dense max-length cache per
-  # slot
+  # they have; waiting rows are admitted while pages are free; with max_rows 0, the slots are
+  # the rows the empty pool holds at once); 0: a dense max-length cache per slot
   kv_cache_gb: float = _ENGINE.kv_cache_gb
   page_size: int = _ENGINE.page_size
   # the adaptive engine's step costs: measured once per program, bucket and K, then read from the

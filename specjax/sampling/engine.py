@@ -21,7 +21,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
+from flax import nnx, struct
 
 from specjax.models.paged import PagedKV
 from specjax.sampling import paging
@@ -280,26 +280,39 @@ class _Run:
                      max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group,
                      target_cache_size=target_size)
 
-  def start_pages(self, state: EngineState, prompt_lengths: np.ndarray, group: int):
-    """The pool for a paged run and its first rows: whole prompt groups take pages in order
-    while the pool has them. Returns (state, pages, rows that found none: back to the queue)."""
-    dense = state.cache
-    _, hkv, dh, _ = dense.k[0].shape
+  def page_pool(self) -> paging.SlotPages:
+    """An empty pool of `EngineConfig.kv_cache_gb` for the target's KV (host-side accounting)."""
+    cfg = nnx.merge(self.graphdef, self.params).cfg
     page_size = self.engine.page_size
-    page_bytes = paging.bytes_per_page(len(dense.k), hkv, dh, page_size, dense.k[0].dtype)
+    page_bytes = paging.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                       page_size, cfg.compute_dtype)
     num_pages = paging.pool_size(self.engine.kv_cache_gb, page_bytes, page_size,
                                  self.cache_size)
-    pages = paging.SlotPages(num_pages, page_size, self.cache_size, self.engine.page_ahead)
-    slots = state.done.shape[0]
-    admitted = np.zeros(slots, bool)
-    for first in range(0, slots, group):
+    return paging.SlotPages(num_pages, page_size, self.cache_size, self.engine.page_ahead)
+
+  def first_admission(self, pages: paging.SlotPages, prompt_lengths: np.ndarray,
+                      group: int) -> np.ndarray:
+    """Whole prompt groups of the first `len(prompt_lengths)` rows take pages in order while
+    `pages` has them: which rows did."""
+    admitted = np.zeros(len(prompt_lengths), bool)
+    for first in range(0, len(prompt_lengths) - group + 1, group):
       rows = np.arange(first, first + group)
       if not pages.admit(rows, prompt_lengths[rows] + 1, self.k_max,
                          int(prompt_lengths[first]) if group > 1 else 0):
         break
       admitted[rows] = True
-    pool = PagedKV.create(len(dense.k), num_pages, page_size, slots, pages.max_pages, hkv, dh,
-                          dense.k[0].dtype)
+    return admitted
+
+  def start_pages(self, state: EngineState, prompt_lengths: np.ndarray, group: int):
+    """The pool for a paged run and its first rows: whole prompt groups take pages in order
+    while the pool has them. Returns (state, pages, rows that found none: back to the queue)."""
+    dense = state.cache
+    _, hkv, dh, _ = dense.k[0].shape
+    pages = self.page_pool()
+    slots = state.done.shape[0]
+    admitted = self.first_admission(pages, prompt_lengths[:slots], group)
+    pool = PagedKV.create(len(dense.k), pages.alloc.num_pages, pages.page_size, slots,
+                          pages.max_pages, hkv, dh, dense.k[0].dtype)
     table = pages.table(np.arange(slots), np.where(admitted, 0, -1))
     state = paging.start_paged(state, pool, jnp.asarray(table), jnp.asarray(admitted))
     return state, pages, np.flatnonzero(~admitted)
@@ -315,9 +328,14 @@ class _Run:
     # a queue: `slots` rows step at once; a segment returns once `refill` slots are free, and
     # they take waiting rows, prefilled `prefill_rows` (whole prompt groups) at a time
     queue_ok = self.drafter is None or self.drafter.row_local
-    slots, refill, prefill_rows = queue_slots(
-        batch, self.engine.max_rows if queue_ok else 0, group, dp, self.engine.refill_fraction,
-        whole_groups=paged)
+    max_rows = self.engine.max_rows if queue_ok else 0
+    host_lengths = np.asarray(jax.device_get(prompt_lengths)) if paged else None
+    if paged and queue_ok and not max_rows:
+      # a memory budget instead of a batch size: as many slots as rows the empty pool holds at
+      # once (a slot beyond them could only hold a row without pages, which does not step)
+      max_rows = max(int(self.first_admission(self.page_pool(), host_lengths, group).sum()), 1)
+    slots, refill, prefill_rows = queue_slots(batch, max_rows, group, dp,
+                                              self.engine.refill_fraction, whole_groups=paged)
     compact = self.engine.compaction and queue_ok
     buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
         if compact else bucket_sizes(slots, dp, slots)
@@ -335,9 +353,8 @@ class _Run:
     # a prefill's rows that found no free slot yet: (its state, the caller's rows, -1 for
     # padding past the queue's end; which of them still wait)
     pending = None
-    pages, host_lengths = None, None
+    pages = None
     if paged:
-      host_lengths = np.asarray(jax.device_get(prompt_lengths))
       state, pages, unplaced = self.start_pages(state, host_lengths, group)
       queue = np.concatenate([unplaced, queue]).astype(np.int64)
     admissions, swaps_before = 0, 0

@@ -13,7 +13,7 @@ class EngineConfig:
   fixed K, one segment."""
 
   # slots: rows stepped at once; a longer batch is a queue, admitted into slots as rows finish
-  # (0: every row at once)
+  # (0: every row at once; with kv_cache_gb, as many slots as rows the empty pool holds at once)
   max_rows: int = 0
   # a segment returns to admit waiting rows once this fraction of the slots is free; rows are
   # prefilled in whole prompt groups (at least that many rows), and a group's samples that find
