@@ -200,3 +200,52 @@ def test_decoder_forward_over_pages_equals_the_dense_cache(target):
 def test_after_the_first_paged_rollout_nothing_compiles(target):
   """(14 pages: rows wait and are swapped out, so swapping's copies run too.)"""
   assert_nothing_compiles_after_the_first_rollout(target, paged(14, adaptive=False), rounds=2)
+
+
+# -- the KV budget as a share of device memory ----------------------------------------------------
+
+class _Device:
+  """What a GPU reports of its memory (`Device.memory_stats`); the CPU reports none."""
+
+  def __init__(self, stats):
+    self.stats = stats
+
+  def memory_stats(self):
+    return self.stats
+
+  def __str__(self):
+    return "gpu:0"
+
+
+def test_a_kv_budget_as_a_share_of_free_device_memory():
+  from specjax.sampling.paging import kv_cache_gb_for
+
+  gpu = _Device({"bytes_limit": 8 * 2**30, "bytes_in_use": 2 * 2**30})
+  assert kv_cache_gb_for(0.5, gpu) == 3.0  # half of the 6 GiB free
+  with pytest.raises(ValueError, match=r"kv_cache_fraction=0.5: device .* reports no memory "
+                                       r"limit.*kv_cache_gb"):
+    kv_cache_gb_for(0.5, jax.devices()[0])  # the CPU: memory_stats() is None
+
+
+def test_rollout_kv_budget_is_fixed_at_the_first_rollout(monkeypatch):
+  from specjax.config_tree import parse_args
+  from specjax.jobs.config import ExperimentConfig
+  from specjax.rl import rollout
+  from specjax.rl.config import RolloutConfig
+
+  cfg = parse_args(ExperimentConfig(), ["--rl.rollout.kv-cache-fraction", "0.25"])
+  assert cfg.rl.rollout.kv_cache_fraction == 0.25
+  with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction: set it or kv_cache_gb"):
+    RolloutConfig(kv_cache_fraction=0.25, kv_cache_gb=1.0)
+  with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction: must be in"):
+    RolloutConfig(kv_cache_fraction=1.0)
+  with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction=0.25: device"):
+    rollout.KVBudget().resolve(cfg.rl.rollout)  # on the CPU
+  gpu = _Device({"bytes_limit": 10 * 2**30, "bytes_in_use": 2 * 2**30})
+  monkeypatch.setattr(jax, "devices", lambda *a: [gpu])
+  budget = rollout.KVBudget()
+  assert budget.resolve(cfg.rl.rollout) == 2.0  # a quarter of the 8 GiB free
+  gpu.stats = {"bytes_limit": 10 * 2**30, "bytes_in_use": 6 * 2**30}  # the run placed more
+  assert budget.resolve(cfg.rl.rollout) == budget.resolve(cfg.rl.rollout) == 2.0
+  assert rollout.engine_config(cfg.rl, budget.gb).kv_cache_gb == 2.0
+  assert rollout.KVBudget().resolve(RolloutConfig(kv_cache_gb=1.5)) == 1.5

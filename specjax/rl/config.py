@@ -106,6 +106,9 @@ class RolloutConfig:
   # they have; waiting rows are admitted while pages are free; with max_rows 0, the slots are
   # the rows the empty pool holds at once); 0: a dense max-length cache per slot
   kv_cache_gb: float = _ENGINE.kv_cache_gb
+  # or (> 0, instead of kv_cache_gb) that share of the device memory still free at the first
+  # rollout (after the weights and the train state), fixed for the rest of the run
+  kv_cache_fraction: float = 0.0
   page_size: int = _ENGINE.page_size
   # the adaptive engine's step costs: measured once per program, bucket and K, then read from the
   # machine's cost cache (a JSON file; "": $SPECJAX_COST_CACHE or ~/.cache/specjax/
@@ -133,6 +136,11 @@ class RolloutConfig:
            f"must be in (0, 1], got {self.refill_fraction}")
     _check(self.kv_cache_gb >= 0, f"{w}.kv_cache_gb",
            f"must be >= 0 (0: dense caches), got {self.kv_cache_gb}")
+    _check(0 <= self.kv_cache_fraction < 1, f"{w}.kv_cache_fraction",
+           f"must be in [0, 1) (0: kv_cache_gb decides), got {self.kv_cache_fraction}")
+    _check(not (self.kv_cache_fraction and self.kv_cache_gb), f"{w}.kv_cache_fraction",
+           f"set it or kv_cache_gb, not both (got {self.kv_cache_fraction} and "
+           f"{self.kv_cache_gb} GiB)")
     _check(self.page_size >= 1, f"{w}.page_size", f"must be >= 1, got {self.page_size}")
     _check(self.cost_memory >= 0, f"{w}.cost_memory", f"must be >= 0 (0: no refinement), got "
            f"{self.cost_memory}")

@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.models.config import DTYPES
-from specjax.rl.config import RLConfig
+from specjax.rl.config import RLConfig, RolloutConfig
 from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning, Rollout,
                               SamplingConfig, generate, speculative_generate)
+from specjax.sampling.paging import kv_cache_gb_for
 from specjax.drafters import GroupNgramDrafter, HistoryDrafter, HistoryParams, HistoryStore
 
 
@@ -29,12 +30,29 @@ def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingC
                         eos_ids=tuple(tokenizer.eos_ids), pad_id=int(tokenizer.pad_id))
 
 
-def engine_config(cfg: RLConfig) -> EngineConfig:
+@dataclasses.dataclass
+class KVBudget:
+  """The rollouts' KV memory in GiB, fixed for the run at its first rollout: RolloutConfig's
+  kv_cache_gb, or kv_cache_fraction of the device memory free then. One pool size for every
+  rollout, so later rollouts compile nothing new for it."""
+
+  gb: float | None = None
+
+  def resolve(self, r: RolloutConfig) -> float:
+    if self.gb is None:
+      self.gb = kv_cache_gb_for(r.kv_cache_fraction, field="RolloutConfig.kv_cache_fraction") \
+          if r.kv_cache_fraction else r.kv_cache_gb
+    return self.gb
+
+
+def engine_config(cfg: RLConfig, kv_cache_gb: float | None = None) -> EngineConfig:
   """The rollout engine's settings from the run's config (compaction, window, adaptive K; the
-  largest K is resolved by `speculative_generate`)."""
+  largest K is resolved by `speculative_generate`); `kv_cache_gb` (a `KVBudget`'s) overrides
+  RolloutConfig.kv_cache_gb."""
   r, d = cfg.rollout, cfg.draft
   return EngineConfig(max_rows=r.max_rows, refill_fraction=r.refill_fraction,
-                      kv_cache_gb=r.kv_cache_gb, page_size=r.page_size,
+                      kv_cache_gb=r.kv_cache_gb if kv_cache_gb is None else kv_cache_gb,
+                      page_size=r.page_size,
                       compaction=r.compaction, min_bucket=r.min_bucket,
                       window_block=r.window_block, compile_ahead=r.compile_ahead,
                       adaptive=d.adaptive,
@@ -91,6 +109,7 @@ class RolloutSampler:
   drafter_params: Any = None  # fixed params (draft model); None when they follow training
   tuning: EngineTuning = dataclasses.field(default_factory=EngineTuning)
   history: HistoryStore | None = None
+  kv_budget: KVBudget = dataclasses.field(default_factory=KVBudget)
 
   def prepare(self, params: dict, forward_params: Any, draft_aux: Any = ()) -> tuple[Any, Any]:
     """(policy params, drafter params) for the sampler from the train state's params (the
@@ -106,7 +125,7 @@ class RolloutSampler:
   def generate(self, policy, drafter_params, prompts: jax.Array, prompt_lengths: jax.Array,
                key: jax.Array, greedy: bool = False, group_size: int | None = None) -> Rollout:
     scfg = sampling_config(self.cfg, self.tokenizer, greedy)
-    engine = engine_config(self.cfg)
+    engine = engine_config(self.cfg, self.kv_budget.resolve(self.cfg.rollout))
     if greedy:  # validation: accuracy, not speed; few buckets and a fixed K keep compiles few
       engine = dataclasses.replace(engine, adaptive=False, max_draft_len=0, max_buckets=3)
     if self.drafter is None:

@@ -44,6 +44,20 @@ def pool_size(kv_cache_gb: float, page_bytes: int, page_size: int, cache_size: i
   return num_pages
 
 
+def kv_cache_gb_for(fraction: float, device=None, field: str = "kv_cache_fraction") -> float:
+  """GiB of KV memory that are `fraction` of what `device` (default: the first) has free now
+  (its allocator's limit less the bytes in use: weights, optimizer state and everything else
+  already placed). ValueError naming `field` where the device reports no memory (CPU)."""
+  device = device or jax.devices()[0]
+  stats = device.memory_stats() or {}
+  if "bytes_limit" not in stats:
+    raise ValueError(f"{field}={fraction}: device {device} reports no memory limit "
+                     f"(memory_stats), so no share of it can be taken; set the KV memory in GiB "
+                     f"(kv_cache_gb) instead")
+  free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+  return fraction * max(free, 0) / 2**30
+
+
 # -- device side ----------------------------------------------------------------------------------
 
 @jax.jit
