@@ -411,3 +411,47 @@ def test_measured_costs_belong_to_the_tuning_object_passed_in(target):
            for r in shared.calibration_table()}
   assert again == first  # the startup calibration was reused, not measured again
   assert other.calibration_table() == [] and len(other.estimates) == 0
+
+
+def test_a_dry_segment_steps_and_gives_the_state_back_as_it_was(target):
+  """`commit=False` (the engine's calibration): the segment steps its state in that state's own
+  buffers (taken, so no copy) and returns it as it was: every committed token, length, count
+  and drafter state, the caches' lengths; what it wrote lies past those lengths. A rollout
+  continued from it is the one continued from the original. AR and speculative (a draft model,
+  whose cache is restored too), at temperature 1."""
+  from specjax.sampling.segment import SegmentSpec
+
+  graphdef, params = nnx.split(target)
+  drafter, dparams = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(1)), draft_len=2)
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  init = lambda: eng._init_jit(graphdef, params, drafter, dparams, PROMPTS, PROMPT_LENGTHS,
+                               jax.random.key(3), cfg=sampled, cache_size=40, max_draft_len=2)
+
+  def run(state, k, commit, key=0):
+    return eng._segment_jit(graphdef, params, drafter if k else None, dparams,
+                            jax.random.key(key), state, jnp.int32(6), jnp.int32(0),
+                            spec=SegmentSpec(cfg=sampled, draft_len=k, window=0),
+                            stop_at_paused=jnp.int32(1), commit=jnp.asarray(commit))
+
+  kv_buffer = lambda path: any(getattr(p, "name", None) in ("k", "v") for p in path)
+  for k in (0, 2):
+    state = init()
+    # (a copy: on the CPU a host view of a buffer would keep the segment from taking it)
+    before = jax.tree.map(lambda x: np.array(x, copy=True), state)
+    dry, iters = run(state, k, False)
+    # it ran, in the caches' own buffers (taken: no copy of the KV memory)
+    assert int(iters) == 6 and all(x.is_deleted() for x in state.cache.k + state.cache.v)
+    after = jax.device_get(dry)
+    flat = jax.tree_util.tree_leaves_with_path(before)
+    assert sum(kv_buffer(path) for path, _ in flat) >= 2 * CFG.num_layers * (1 + (k > 0))
+    for (path, x), y in zip(flat, jax.tree.leaves(after)):
+      if not kv_buffer(path):
+        np.testing.assert_array_equal(x, y, err_msg=f"K={k} {jax.tree_util.keystr(path)}")
+    moved, _ = run(init(), k, True)  # a committing segment does move the state
+    assert (np.asarray(moved.lengths) > np.asarray(before.lengths)).any()
+    ref, _ = run(init(), k, True, key=7)
+    cont, _ = run(dry, k, True, key=7)
+    for x, y in zip(jax.tree.leaves(jax.device_get(ref.replace(cache=None, drafter_state=None))),
+                    jax.tree.leaves(jax.device_get(cont.replace(cache=None,
+                                                                drafter_state=None)))):
+      np.testing.assert_array_equal(x, y)

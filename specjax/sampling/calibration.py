@@ -207,9 +207,8 @@ class CostTable:
     segment of at most m steps to completion (results discarded) and returns the steps it ran,
     or (steps, seconds) when it times the segment itself (leaving out its own preparation).
 
-    After one untimed run that compiles it (none when `compiled`: the program has compiled and
-    run already), each repeat times a segment of n steps and one of
-    2n; the slope (t_2n - t_n) / n is the cost of a step without the segment's fixed cost
+    After one untimed run (which finds the program compiled, or compiles it), each repeat times
+    a segment of n steps and one of 2n; the slope (t_2n - t_n) / n is the cost of a step without the segment's fixed cost
     (dispatch, loop entry, the host round trip), which would otherwise weigh on cheap steps more
     than on dear ones. The fastest of `repeats` timings of each is kept, since load on the
     machine only ever adds time. With a `cache`, a key it holds is not measured, and a measured

@@ -168,7 +168,7 @@ class _Run:
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
   def _segment_args(self, state, key, k: int, window: int, max_iters: int, stop_at_live: int,
-                    stop_at_paused: int) -> tuple[tuple, dict]:
+                    stop_at_paused: int, commit: bool = True) -> tuple[tuple, dict]:
     observe = k > 0 or (self.drafter is not None and self.drafter.stateful and
                         not self.policy.retired)
     drafter = self.drafter if observe else None
@@ -177,13 +177,15 @@ class _Run:
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
     return ((self.graphdef, self.params, drafter, self.drafter_params, key, state,
              jnp.int32(max_iters), jnp.int32(stop_at_live)),
-            dict(spec=spec, mesh=self.mesh, stop_at_paused=jnp.int32(stop_at_paused)))
+            dict(spec=spec, mesh=self.mesh, stop_at_paused=jnp.int32(stop_at_paused),
+                 commit=jnp.asarray(commit)))
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
-              stop_at_live: int, stop_at_paused: int = 1):
-    """Run a segment; it takes `state` (donated: use the returned one)."""
+              stop_at_live: int, stop_at_paused: int = 1, commit: bool = True):
+    """Run a segment; it takes `state` (donated: use the returned one). `commit` False: a dry
+    run, whose returned state is `state` as it was (`segment.uncommitted`)."""
     args, kwargs = self._segment_args(state, key, k, window, max_iters, stop_at_live,
-                                      stop_at_paused)
+                                      stop_at_paused, commit)
     return _segment_jit(*args, **kwargs)
 
   def compile_segment(self, state, k: int, window: int) -> None:
@@ -199,13 +201,14 @@ class _Run:
     """(key of K = 0, key of k_max, fraction): where K lies on the line of `CostTable.line`."""
     return (self.cost_key(bucket, 0), self.cost_key(bucket, self.k_max), k / self.k_max)
 
-  def cost(self, state, bucket: int, k: int, longest: int) -> float:
-    """Seconds per step at (bucket, K): for a timed K, measured on the current state the first
-    time it is asked for; for another, its own cost once a segment ran it, else the line through
-    the bucket's timed K = 0 and k_max."""
+  def cost(self, box: list, bucket: int, k: int, longest: int) -> float:
+    """Seconds per step at (bucket, K): for a timed K, measured on the current state (`box[0]`,
+    which dry runs take and give back: read it again after the call) the first time it is asked
+    for; for another, its own cost once a segment ran it, else the line through the bucket's
+    timed K = 0 and k_max."""
     if k not in self.timed_ks:
       for end in (0, self.k_max):
-        self.cost(state, bucket, end, longest)
+        self.cost(box, bucket, end, longest)
       line = self.costs.line(self.cost_key(bucket, k), *self.line_point(bucket, k))
       # no segment ran this K yet: its cost is a guess and choosing it compiles a program, so it
       # must beat the timed K by min_gain
@@ -214,11 +217,13 @@ class _Run:
     window = window_for(longest, k, self.engine.window_block, self.cache_size)
 
     def run(m: int) -> tuple[int, float]:
-      # each timed run steps a copy of the state, taken (donated) by the segment and then
-      # dropped, so every run starts where the rollout is and the rollout is left as it was
-      probe = jax.block_until_ready(jax.tree.map(jnp.copy, state))
+      # a dry run: it steps the state in its own buffers and gives it back as it was, so every
+      # run starts where the rollout is, the rollout is left as it was, and no copy of the
+      # state (its KV memory) is made
+      jax.block_until_ready(box[0])
       t0 = time.perf_counter()
-      _, iters = self.segment(probe, self.probe_key, bucket, k, window, m, 0)
+      box[0], iters = self.segment(box[0], self.probe_key, bucket, k, window, m, 0,
+                                   commit=False)
       iters = int(iters)  # (waits for the segment)
       return iters, time.perf_counter() - t0
 
@@ -267,8 +272,9 @@ class _Run:
       jax.block_until_ready([job() for job in jobs])
     if self.adaptive:  # (the first bucket's are timed when the policy first asks for them)
       for b in buckets[1:]:
+        box = [subs[b]]
         for k in self.timed_ks:
-          self.cost(subs[b], b, k, prompt_len)
+          self.cost(box, b, k, prompt_len)
 
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
     drafter = None if self.drafter is None else \
@@ -485,16 +491,20 @@ class _Run:
         summary = jax.device_get(_summary(state))
         live_mask, seq_lengths, tokens_before, drafts0, acc0, _, homes = summary
       longest = int(seq_lengths.max())
-      k, expected = self.policy.choose(lambda k: self.cost(state, bucket, k, longest), live)
+      box = [state]  # (calibration's dry runs take the state and give it back)
+      k, expected = self.policy.choose(lambda k: self.cost(box, bucket, k, longest), live)
       window = window_for(longest, k, self.engine.window_block, self.cache_size)
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
       max_iters = self.policy.budget(k, j)
       if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
         # its first segment: compile it first, so the timing below holds only steps
-        self.compile_segment(state, k, window)
-        self.cost(state, bucket, k, longest)  # (the line's ends are timed, if not yet)
+        self.compile_segment(box[0], k, window)
+        self.cost(box, bucket, k, longest)  # (the line's ends are timed, if not yet)
         self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
+      state = box[0]
+      if bucket == slots:  # (`out` held the state the dry runs took)
+        out = state
       if waiting():  # return once `refill` slots are free (or pages: once a row ends)
         stop_at_live = live - 1 if no_pages else slots - refill
       else:

@@ -247,12 +247,32 @@ class SegmentSpec:
   window: int  # cache positions attention reads; 0 = the whole cache
 
 
+def committed(before: EngineState, after: EngineState, commit: jax.Array) -> EngineState:
+  """`after` (a state stepped from `before`) where `commit` is True; else `before` with the KV
+  buffers (target and drafter) of `after`: what the steps wrote there lies at or past each row's
+  committed length in `before`, which no query sees and later steps overwrite, so that state is
+  `before` as far as any step can tell, and its caches need no copy."""
+  pick = lambda a, b: jnp.where(commit, a, b)
+
+  def one(b, a):
+    if isinstance(b, PagedKV):
+      return a.replace(lengths=pick(a.lengths, b.lengths),
+                       page_table=pick(a.page_table, b.page_table))
+    if isinstance(b, KVCache):
+      return a.replace(lengths=pick(a.lengths, b.lengths))
+    return pick(a, b)
+
+  return jax.tree.map(one, before, after, is_leaf=is_cache)
+
+
 def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, state, max_iters,
-                stop_at_live, spec: SegmentSpec, mesh=None,
-                stop_at_paused=1) -> tuple[EngineState, jax.Array]:
+                stop_at_live, spec: SegmentSpec, mesh=None, stop_at_paused=1,
+                commit=True) -> tuple[EngineState, jax.Array]:
   """Step until every row is done, live rows <= `stop_at_live`, a live row would write past the
   window, `max_iters` steps ran, or (paged) `stop_at_paused` live rows, or all of them, wait for
-  pages. Returns (state, steps run)."""
+  pages. Returns (state, steps run). `commit` (traced: one program either way) False: a dry run,
+  which returns `state` as it was (`committed`) in its own buffers: the engine times steps so
+  without a copy of its state."""
   target = nnx.merge(graphdef, params)
   k, window = spec.draft_len, spec.window
   if k > 0 and drafter.draft_len != k:
@@ -278,5 +298,5 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
     return it + 1, constrain(s, mesh)
 
   state = with_window(constrain(state, mesh), window)
-  iters, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-  return with_window(state, 0), iters
+  iters, stepped = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+  return with_window(committed(state, stepped, commit), 0), iters
