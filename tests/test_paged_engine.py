@@ -92,16 +92,19 @@ def test_greedy_paged_queue_equals_the_plain_loop(target, static_ar, page_checks
     assert swaps == 0
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "adaptive"])
 def test_greedy_paged_speculative_equals_the_plain_loop(target, static_ar, page_checks, kind):
-  if kind == "draft_model":  # a copy of the target: every draft accepted, EOS inside windows
+  """`adaptive`: the draft model with K chosen per segment, so calibration's dry segments step
+  the paged state (pool and page tables) and give it back."""
+  if kind in ("draft_model", "adaptive"):  # a copy of the target: every draft accepted
     drafter, params = DraftModelDrafter.from_model(target, 3)
   else:
     drafter, params = NgramDrafter(draft_len=3, n=2), ()
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
-                             GREEDY, engine=paged(20, adaptive=False))
+                             GREEDY, engine=paged(20, adaptive=kind == "adaptive"))
   assert_same_rollout(out, static_ar)
-  assert all(s.draft_len == 3 for s in out.segments)
+  if kind != "adaptive":
+    assert all(s.draft_len == 3 for s in out.segments)
 
 
 def test_paged_batch_without_a_queue_compacts_and_equals_the_plain_loop(target, static_ar,

@@ -183,7 +183,7 @@ class _Run:
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
               stop_at_live: int, stop_at_paused: int = 1, commit: bool = True):
     """Run a segment; it takes `state` (donated: use the returned one). `commit` False: a dry
-    run, whose returned state is `state` as it was (`segment.uncommitted`)."""
+    run, whose returned state is `state` as it was (`segment.committed`)."""
     args, kwargs = self._segment_args(state, key, k, window, max_iters, stop_at_live,
                                       stop_at_paused, commit)
     return _segment_jit(*args, **kwargs)
