@@ -236,16 +236,17 @@ def prompts_for(batch: int, width: int, vocab: int, seed: int):
 
 
 def timed_calls(fn, repeats: int):
-  """(first call seconds, fastest of `repeats` further calls in seconds, that call's rollout,
-  every further call's seconds): one call alone has been seen to run at half speed."""
+  """(first call seconds, fastest of `repeats` further calls in seconds, that call's output (a
+  rollout, or a list of them), every further call's seconds): one call alone has been seen to run
+  at half speed."""
   t0 = time.perf_counter()
-  jax.block_until_ready(fn(0).tokens)
+  jax.block_until_ready(fn(0))
   first = time.perf_counter() - t0
   calls, best = [], None
   for i in range(1, 1 + max(repeats, 1)):
     t0 = time.perf_counter()
     out = fn(i)
-    jax.block_until_ready(out.tokens)
+    jax.block_until_ready(out)
     calls.append(time.perf_counter() - t0)
     if best is None or calls[-1] < best[0]:
       best = (calls[-1], out)
@@ -465,23 +466,12 @@ def queue_stage(a, results: dict) -> None:
     if over_budget(a, f"queue {name}", results):
       break
     try:
-      t0 = time.perf_counter()
-      jax.block_until_ready([o.tokens for o in fn(0)])
-      first = time.perf_counter() - t0
-      calls, best = [], None
-      for i in range(1, 1 + a.queue_repeats):
-        t0 = time.perf_counter()
-        outs = fn(i)
-        jax.block_until_ready([o.tokens for o in outs])
-        calls.append(time.perf_counter() - t0)
-        if best is None or calls[-1] < best[0]:
-          best = (calls[-1], outs)
+      first, call, outs, calls = timed_calls(fn, a.queue_repeats)
     except Exception as e:  # e.g. out of memory: keep the other arms
       stage["arms"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
       log(f"queue {name}: failed ({stage['arms'][name]['error'][:200]})")
       write(a, results)
       continue
-    call, outs = best
     lens = np.concatenate([np.asarray(o.lengths) for o in outs])
     segs = [s for o in outs for s in o.segments]
     steps = sum(s.iterations for s in segs)
