@@ -207,6 +207,21 @@ def test_buckets_and_windows():
   assert buckets.window_for(10, 3, 0, 1024) == 0
 
 
+def test_compaction_keeps_each_replicas_rows_on_it():
+  """Live rows in slots 1, 2, 3 (replica 0 of 2, slots 0-7) and 9 (replica 1): globally they fit
+  bucket 4; kept on their replicas (paged KV on a mesh) they need 3 per replica, bucket 8."""
+  homes = [1, 2, 3, 9]
+  size, idx, pad = buckets.compaction(homes, [16, 8, 4, 2], 16, dp=2)
+  assert size == 4 and list(idx) == homes and not pad.any()
+  size, idx, pad = buckets.compaction(homes, [16, 8, 4, 2], 16, dp=2, by_replica=True)
+  assert size == 8
+  assert list(idx[:3]) == [1, 2, 3] and idx[4] == 9
+  assert list(pad) == [False, False, False, True, False, True, True, True]
+  assert all(i // 8 == r // 4 for r, i in enumerate(idx))  # padding from the row's own replica
+  size, idx, pad = buckets.compaction([1, 9], [16, 8, 4, 2], 16, dp=2, by_replica=True)
+  assert (size, list(idx), list(pad)) == (2, [1, 9], [False, False])
+
+
 def test_prompt_groups_are_found_only_where_rows_repeat_and_divide_over_the_mesh():
   grouped = jnp.repeat(PROMPTS[:2], 4, axis=0)
   lengths = jnp.repeat(PROMPT_LENGTHS[:2], 4)

@@ -199,6 +199,43 @@ def test_chunked_pure_jax_path_equals_reference(t, heads, layer, width):
   np.testing.assert_array_equal(got[2], 0.0)
 
 
+@pytest.mark.parametrize("mesh_shape,hkv", [((2, 1, 4), 1), ((4, 1, 2), 2), ((2, 2, 2), 2)])
+def test_a_pool_split_over_a_mesh_writes_and_attends_as_one_device(mesh_shape, hkv):
+  """Pages split over the data-parallel replicas as the rows are (kv heads over tensor where they
+  divide): each replica's rows hold pages of its own shard (global ids), and a write then
+  attention per replica equals the same on one device, with no collective in the program."""
+  from specjax.sharding import MeshConfig, make_mesh
+  mesh = make_mesh(MeshConfig(*mesh_shape))
+  dp = mesh_shape[0] * mesh_shape[1]
+  layers, per_replica, width, t = 2, 6, 5, 3
+  b = 4 * dp
+  rng = np.random.default_rng(0)
+  table = np.full((b, width), NO_PAGE, np.int32)
+  for r in range(dp):  # two rows of each replica hold 3 of its pages; the others none
+    perm = rng.permutation(per_replica) + r * per_replica
+    table[4 * r, :3], table[4 * r + 1, :3] = perm[:3], perm[3:]
+  k, v = (jnp.asarray(rng.standard_normal((b, t, hkv, DH)), jnp.float32) for _ in range(2))
+  q = jnp.asarray(rng.standard_normal((b, t, 2 * hkv, DH)), jnp.float32)
+  start = jnp.asarray(rng.integers(0, 9, b), jnp.int32)
+
+  def step(pool, k, v, q, start):
+    pool = pool.write(1, k, v, start)
+    return pool.attention(1, q, start), pool.k
+
+  outs = []
+  for m in (None, mesh):
+    pool = paged.PagedKV.create(layers, per_replica * dp, PAGE, b, width, hkv, DH, mesh=m)
+    outs.append(jax.jit(step)(pool.with_page_table(table), k, v, q, start))
+    if m is not None:
+      hlo = jax.jit(step).lower(pool.with_page_table(table), k, v, q, start).compile().as_text()
+      assert not any(op in hlo for op in ("all-gather", "all-reduce", "all-to-all",
+                                          "collective-permute"))
+  np.testing.assert_allclose(outs[1][0], outs[0][0], atol=1e-5)
+  np.testing.assert_array_equal(outs[1][1], outs[0][1])
+  with pytest.raises(ValueError, match="pages split over"):
+    paged.PagedKV.create(layers, per_replica * dp + 1, PAGE, b, width, hkv, DH, mesh=mesh)
+
+
 def test_paged_attention_dispatch():
   q, _, _, pool_k, pool_v, table, lengths, start = _problem(5, 1, 4)
   args = (q, pool_k, pool_v, table, lengths, start)

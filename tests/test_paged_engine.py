@@ -48,9 +48,10 @@ def static_ar(target):
 @pytest.fixture
 def page_checks(monkeypatch):
   """Checks, at every visit of the real engine, what the device will read: no page in two rows'
-  tables, every page of the allocator in exactly the table row of its slot, and every row the
-  allocator holds able to hold its committed tokens. Returns the per-visit (live rows, pages in
-  use) log."""
+  tables, every page of the allocator in exactly the table row of its slot, every row the
+  allocator holds able to hold its committed tokens, and (on a mesh) every row's pages in its
+  own data-parallel replica's shard of the pool, the replica that steps it. Returns the
+  per-visit (live rows, pages in use) log."""
   log = []
   real = eng._Run.visit_pages
 
@@ -59,18 +60,23 @@ def page_checks(monkeypatch):
     table = np.asarray(state.cache.page_table)
     live, seq_lengths, _, _, _, row_ids, homes = summary
     held = collections.Counter(table[table >= 0].tolist())
-    assert len(held) == pages.alloc.pages_in_use, "a page in use is in no table (or leaked)"
+    assert len(held) == pages.pages_in_use, "a page in use is in no table (or leaked)"
     for page, tables in held.items():
-      assert pages.alloc.refcount(page) == tables, f"page {page}: tables and holders differ"
+      assert pages.refcount(page) == tables, f"page {page}: tables and holders differ"
+    replicas = len(pages.replicas)
+    per_replica = pages.num_pages // replicas
     for i, (home, rid) in enumerate(zip(homes, row_ids)):
-      if rid >= 0 and int(home) in pages.alloc:
-        assert list(table[i][table[i] >= 0]) == list(pages.alloc.row_pages(int(home)))
+      if rid >= 0 and int(home) in pages:
+        assert list(table[i][table[i] >= 0]) == list(pages.row_pages(int(home)))
+        replica = i // (len(homes) // replicas)  # the replica that steps bucket row i
+        assert pages.replica_of(int(home)) == replica
+        assert all(page // per_replica == replica for page in table[i][table[i] >= 0])
         if live[i]:
           assert (table[i] >= 0).sum() * PAGE >= seq_lengths[i] - 1
           # a shared page lies wholly below the row's cached positions: it is never written
           shared = [j for j, page in enumerate(table[i]) if page >= 0 and held[int(page)] > 1]
           assert all((j + 1) * PAGE <= seq_lengths[i] - 1 for j in shared)
-    log.append((int(np.sum(live)), pages.alloc.pages_in_use))
+    log.append((int(np.sum(live)), pages.pages_in_use))
     return state
 
   monkeypatch.setattr(eng._Run, "visit_pages", visit)
@@ -176,11 +182,30 @@ def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
     EngineConfig(page_size=0)
 
 
-def test_paged_memory_on_a_mesh_is_a_clear_error(target):
-  mesh = make_mesh(MeshConfig(2, 1, 4))
+@pytest.mark.parametrize("mesh_shape,num_pages", [((2, 1, 4), 14), ((4, 1, 2), 8)])
+def test_sharded_paged_queue_equals_one_device(target, static_ar, page_checks, mesh_shape,
+                                               num_pages):
+  """The pool split over the data-parallel replicas (`kv_cache_gb` per device: each replica
+  holds `num_pages` pages), each replica's rows on its own pages; 14 pages per replica: rows
+  wait and are swapped out; 8 (one row's worth) on 4 replicas: rows mostly run one at a time
+  per replica and compaction keeps each replica's rows on it."""
+  mesh = make_mesh(MeshConfig(*mesh_shape))
   sharded = shard_model(nnx.clone(target), mesh)
-  with pytest.raises(ValueError, match="kv_cache_gb.*not yet on a mesh"):
-    generate(sharded, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=paged(400))
+  out = generate(sharded, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
+                 engine=paged(num_pages))
+  assert_same_rollout(out, static_ar)
+  assert page_checks and max(p for _, p in page_checks) <= num_pages * mesh_shape[0]
+  if num_pages == 14:
+    assert sum(s.swapped_out for s in out.segments) > 0
+
+
+def test_sharded_paged_speculative_equals_one_device(target, static_ar, page_checks):
+  mesh = make_mesh(MeshConfig(4, 1, 2))
+  sharded = shard_model(nnx.clone(target), mesh)
+  drafter, params = DraftModelDrafter.from_model(sharded, 3)
+  out = speculative_generate(sharded, drafter, params, PROMPTS, PROMPT_LENGTHS,
+                             jax.random.key(1), GREEDY, engine=paged(20, adaptive=True))
+  assert_same_rollout(out, static_ar)
 
 
 def test_decoder_forward_over_pages_equals_the_dense_cache(target):

@@ -18,6 +18,14 @@ Hkv short rows per token, and writes are few (T tokens per row per step) next to
 Sentinel: page-table entries outside [0, num_pages) (`NO_PAGE` = -1 by convention) name no page:
 writes through them are dropped and attention treats their positions as empty, so padding rows
 (all sentinels) cost nothing and never touch another row's memory.
+
+On a mesh (`PagedKV.mesh`) the pool's pages are split over the data-parallel (batch) axes as the
+rows are, and kv heads over the tensor axis as the layers that produce them: replica r holds
+pages [r * P, (r + 1) * P) of the pool's global page ids, and its rows hold only those (the host
+allocator sees to it). A step's writes and attention then run per replica (`jax.shard_map`) on
+its own rows and pages, with the page ids made local, so no device reads another's KV memory.
+Everything else that indexes the pool (a prefill's copy into pages, swapping) uses global ids
+under the compiler's partitioning.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 from jax.experimental import pallas as pl
+from jax.sharding import NamedSharding
 
 from specjax.models import cache as cache_lib
 from specjax.models.attention import (online_softmax_init, online_softmax_result,
@@ -37,6 +46,9 @@ from specjax.models.attention import (online_softmax_init, online_softmax_result
 
 NO_PAGE = -1  # the page-table sentinel (the host allocator uses the same value)
 NEG_INF = -1e30
+# logical axes of a pool [L, Hkv, num_pages, page_size, Dh] (`specjax.sharding.rules`): pages on
+# the batch axes, as the rows that hold them
+POOL_AXES = ("layers", "kv_heads", "batch", None, None)
 
 
 @struct.dataclass
@@ -47,15 +59,23 @@ class PagedKV:
   lengths: jax.Array  # int32[B] committed tokens per row
   # positions attention reads (static; 0 = the whole table), as `KVCache.window`
   window: int = struct.field(pytree_node=False, default=0)
+  # the mesh the pool is split over (static; None: one device): see the module docstring
+  mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, batch: int,
              max_pages_per_row: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32) -> PagedKV:
+             dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None) -> PagedKV:
+    """An empty pool. With `mesh`, `num_pages` is the whole pool's (the data-parallel size
+    times each replica's), made on the devices in place."""
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+    zeros = lambda: jnp.zeros(shape, dtype)
+    if mesh is not None:
+      pool_spec(mesh, shape, batch)  # (checks that pages and rows split alike)
+      zeros = jax.jit(zeros, out_shardings=NamedSharding(mesh, pool_spec(mesh, shape)))
+    return cls(k=zeros(), v=zeros(),
                page_table=jnp.full((batch, max_pages_per_row), NO_PAGE, jnp.int32),
-               lengths=jnp.zeros((batch,), jnp.int32))
+               lengths=jnp.zeros((batch,), jnp.int32), mesh=mesh)
 
   @property
   def num_layers(self) -> int:
@@ -110,15 +130,23 @@ class PagedKV:
   def write(self, layer, k: jax.Array, v: jax.Array, start: jax.Array | None = None) -> PagedKV:
     """Write k/v [B, T, Hkv, Dh] of `layer` at `start` (default: the committed lengths)."""
     start = self.lengths if start is None else start
-    pk, pv = write(self.k, self.v, k, v, self.page_table, start, layer=layer)
+    if self.mesh is None:
+      pk, pv = write(self.k, self.v, k, v, self.page_table, start, layer=layer)
+    else:
+      pk, pv = _write_on_replicas(self.mesh, self.k, self.v, k, v, self.page_table, start,
+                                  jnp.asarray(layer, jnp.int32))
     return self.replace(k=pk, v=pv)
 
   def attention(self, layer, q: jax.Array, start: jax.Array | None = None, **kwargs) -> jax.Array:
     """`paged_attention` of queries q [B, T, H, Dh] at `start` (default: the committed lengths)
     over `layer`, after their own keys were written: each row sees start + T keys."""
     start = self.lengths if start is None else start
-    return paged_attention(q, self.k, self.v, self.page_table, start + q.shape[1], start,
-                           layer=layer, **kwargs)
+    if self.mesh is None:
+      return paged_attention(q, self.k, self.v, self.page_table, start + q.shape[1], start,
+                             layer=layer, **kwargs)
+    return _attention_on_replicas(self.mesh, q, self.k, self.v, self.page_table,
+                                  start + q.shape[1], start, jnp.asarray(layer, jnp.int32),
+                                  **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +167,67 @@ class PagedLayer:
     out = pool.attention(self.layer, q, start,
                          max_len=None if visible >= pool.size else visible)
     return out, pool
+
+
+# -- on a mesh ----------------------------------------------------------------------------------
+
+def pool_spec(mesh: jax.sharding.Mesh, shape, rows: int | None = None) -> jax.sharding.PartitionSpec:
+  """How a pool of `shape` [L, Hkv, P, S, Dh] splits over `mesh` (`POOL_AXES`). With `rows`:
+  ValueError unless a batch of that many rows splits over the same axes as the pages (a
+  replica's rows and its pages on the same devices)."""
+  from specjax.sharding.rules import logical_to_spec  # (the mesh layer; imported on use)
+  spec = logical_to_spec(POOL_AXES, shape=shape, mesh=mesh, where="PagedKV pool")
+  if rows is not None:
+    row_axes = logical_to_spec(("batch",), shape=(rows,), mesh=mesh)[0]
+    if row_axes != spec[2]:
+      raise ValueError(f"PagedKV on a mesh: {shape[2]} pages split over {spec[2]} but {rows} "
+                       f"rows over {row_axes}; give every data-parallel replica the same number "
+                       f"of pages and rows")
+  return spec
+
+
+def _replica_specs(mesh, pool_shape, rows):
+  """(pool, per-row, per-head, page-axis) specs of one per-replica call."""
+  from jax.sharding import PartitionSpec as P
+  pool = pool_spec(mesh, pool_shape, rows)
+  return pool, P(pool[2]), pool[1], pool[2]
+
+
+def _local_ids(table: jax.Array, pages_here: int, axes) -> jax.Array:
+  """A replica's global page ids -> its own shard's (`pages_here` pages); ids of no page, or of
+  another replica's, fall outside [0, pages_here) and so name no page."""
+  if axes is None:
+    return table
+  return table - jax.lax.axis_index(axes) * pages_here
+
+
+def _write_on_replicas(mesh, pool_k, pool_v, k, v, page_table, start, layer):
+  from jax.sharding import PartitionSpec as P
+  pool, row, heads, axes = _replica_specs(mesh, pool_k.shape, page_table.shape[0])
+  new = P(row[0], None, heads, None)
+
+  def local(pk, pv, k, v, table, start, layer):
+    return write(pk, pv, k, v, _local_ids(table, pk.shape[2], axes), start, layer=layer)
+
+  return jax.shard_map(local, mesh=mesh, in_specs=(pool, pool, new, new, P(row[0], None), row, P()),
+                       out_specs=(pool, pool), check_vma=False)(
+      pool_k, pool_v, k, v, page_table, jnp.asarray(start, jnp.int32), layer)
+
+
+def _attention_on_replicas(mesh, q, pool_k, pool_v, page_table, lengths, start, layer, **kwargs):
+  from jax.sharding import PartitionSpec as P
+  pool, row, heads, axes = _replica_specs(mesh, pool_k.shape, page_table.shape[0])
+  queries = P(row[0], None, heads, None)
+
+  def local(q, pk, pv, table, lengths, start, layer):
+    return paged_attention(q, pk, pv, _local_ids(table, pk.shape[2], axes), lengths, start,
+                           layer=layer, **kwargs)
+
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(queries, pool, pool, P(row[0], None), row, row, P()),
+                       out_specs=queries, check_vma=False)(
+      q, pool_k, pool_v, page_table, jnp.asarray(lengths, jnp.int32),
+      jnp.asarray(start, jnp.int32), layer)
 
 
 def _stacked(pool_k, pool_v, layer):

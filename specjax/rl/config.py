@@ -102,7 +102,7 @@ class RolloutConfig:
   # into the slots of finished ones, refill_fraction of the slots at a time
   max_rows: int = _ENGINE.max_rows
   refill_fraction: float = _ENGINE.refill_fraction
-  # the target's KV memory for the rollouts in GiB: > 0 pages it (rows hold pages for the tokens
+  # the target's KV memory for the rollouts in GiB per device: > 0 pages it (rows hold pages for the tokens
   # they have; waiting rows are admitted while pages are free; with max_rows 0, the slots are
   # the rows the empty pool holds at once); 0: a dense max-length cache per slot
   kv_cache_gb: float = _ENGINE.kv_cache_gb

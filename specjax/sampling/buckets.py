@@ -31,6 +31,33 @@ def bucket_sizes(batch: int, dp: int = 1, min_bucket: int = 1, max_buckets: int 
   return out
 
 
+def compaction(homes, buckets: list[int], slots: int, dp: int = 1,
+               by_replica: bool = False) -> tuple[int, np.ndarray, np.ndarray]:
+  """(bucket, idx, pad): the smallest bucket that holds the live rows whose full-state slots are
+  `homes`, the slot each of its rows comes from, and which rows are padding (a copy of a live
+  row, finished at once). `by_replica` (paged KV on a mesh): each data-parallel replica's rows
+  stay on it, so the bucket must hold the most rows any replica has on each replica (the slots
+  [r * slots / dp, (r + 1) * slots / dp) are replica r's, as are a bucket's rows
+  [r * bucket / dp, (r + 1) * bucket / dp))."""
+  homes = np.asarray(homes, np.int64)
+  if not by_replica or dp == 1:
+    size = min(b for b in buckets if b >= len(homes))
+    idx = np.concatenate([homes, np.full(size - len(homes), homes[0])])
+    return size, idx.astype(np.int32), np.arange(size) >= len(homes)
+  per_slot = slots // dp
+  replica = homes // per_slot
+  most = int(np.bincount(replica, minlength=dp).max())
+  size = min(b for b in buckets if b // dp >= most)
+  per = size // dp
+  idx = np.repeat(np.arange(dp) * per_slot, per)  # padding: a slot of the row's own replica
+  pad = np.ones(size, bool)
+  for r in range(dp):
+    mine = homes[replica == r]
+    idx[r * per:r * per + len(mine)] = mine
+    pad[r * per:r * per + len(mine)] = False
+  return size, idx.astype(np.int32), pad
+
+
 def prompt_group(prompts, prompt_lengths, dp: int = 1) -> int:
   """The largest g such that the rows come in consecutive blocks of g identical prompts (GRPO
   groups) and the distinct prompts still divide over the data-parallel size `dp`; 1 when no

@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import math
 import os
 import time
 
@@ -28,13 +29,14 @@ from specjax.sampling import paging
 from specjax.sampling.adaptive import DraftLenPolicy
 from specjax.sampling.calibration import EngineTuning
 from specjax.sampling.core import Rollout, SamplingConfig, finish
-from specjax.sampling.buckets import (bucket_sizes, data_parallel_size, prompt_group,
-                                      queue_slots, window_for)
+from specjax.sampling.buckets import (bucket_sizes, compaction, data_parallel_size,
+                                      prompt_group, queue_slots, window_for)
 from specjax.sampling.drafter import Drafter
 from specjax.sampling.engine_config import EngineConfig, Segment
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.segment import (EngineState, SegmentSpec, init_state, map_rows,
                                       release_pages, run_segment, take_rows)
+from specjax.sharding.rules import logical_to_spec
 
 def params_mesh(params):
   """The mesh the parameters are sharded over, when they are (more than one device)."""
@@ -286,26 +288,41 @@ class _Run:
                      max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group,
                      target_cache_size=target_size)
 
-  def page_pool(self) -> paging.SlotPages:
-    """An empty pool of `EngineConfig.kv_cache_gb` for the target's KV (host-side accounting)."""
+  def page_pool(self, slots: int = 1, replicas: int = 1) -> paging.SlotPages:
+    """An empty pool for the target's KV (host-side accounting): `EngineConfig.kv_cache_gb` of
+    it on each device, so on a mesh each data-parallel replica holds that many GiB of pages
+    times the devices its kv heads split over."""
     cfg = nnx.merge(self.graphdef, self.params).cfg
     page_size = self.engine.page_size
     page_bytes = paging.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                        page_size, cfg.compute_dtype)
-    num_pages = paging.pool_size(self.engine.kv_cache_gb, page_bytes, page_size,
-                                 self.cache_size)
-    return paging.SlotPages(num_pages, page_size, self.cache_size, self.engine.page_ahead)
+    num_pages = paging.pool_size(self.engine.kv_cache_gb, page_bytes / self.kv_head_split(cfg),
+                                 page_size, self.cache_size)
+    return paging.SlotPages(num_pages, page_size, self.cache_size, self.engine.page_ahead,
+                            slots, replicas)
+
+  def kv_head_split(self, cfg) -> int:
+    """Devices one page's kv heads split over (1 off a mesh)."""
+    if self.mesh is None:
+      return 1
+    spec = logical_to_spec(("kv_heads",), shape=(cfg.num_kv_heads,), mesh=self.mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    return math.prod(self.mesh.shape[a] for a in axes)
 
   def first_admission(self, pages: paging.SlotPages, prompt_lengths: np.ndarray,
                       group: int) -> np.ndarray:
-    """Whole prompt groups of the first `len(prompt_lengths)` rows take pages in order while
-    `pages` has them: which rows did."""
+    """Whole prompt groups of the first `len(prompt_lengths)` rows (row i in slot i) take pages
+    in order while their replica has them: which rows did."""
     admitted = np.zeros(len(prompt_lengths), bool)
+    full = set()  # replicas out of pages
     for first in range(0, len(prompt_lengths) - group + 1, group):
       rows = np.arange(first, first + group)
+      if pages.replica_of(first) in full:
+        continue
       if not pages.admit(rows, prompt_lengths[rows] + 1, self.k_max,
                          int(prompt_lengths[first]) if group > 1 else 0):
-        break
+        full.add(pages.replica_of(first))
+        continue
       admitted[rows] = True
     return admitted
 
@@ -314,11 +331,11 @@ class _Run:
     while the pool has them. Returns (state, pages, rows that found none: back to the queue)."""
     dense = state.cache
     _, hkv, dh, _ = dense.k[0].shape
-    pages = self.page_pool()
     slots = state.done.shape[0]
+    pages = self.page_pool(slots, data_parallel_size(self.mesh))
     admitted = self.first_admission(pages, prompt_lengths[:slots], group)
-    pool = PagedKV.create(len(dense.k), pages.alloc.num_pages, pages.page_size, slots,
-                          pages.max_pages, hkv, dh, dense.k[0].dtype)
+    pool = PagedKV.create(len(dense.k), pages.num_pages, pages.page_size, slots,
+                          pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=self.mesh)
     table = pages.table(np.arange(slots), np.where(admitted, 0, -1))
     state = paging.start_paged(state, pool, jnp.asarray(table), jnp.asarray(admitted))
     return state, pages, np.flatnonzero(~admitted)
@@ -327,9 +344,6 @@ class _Run:
     batch = prompts.shape[0]
     dp = data_parallel_size(self.mesh)
     paged = self.engine.kv_cache_gb > 0
-    if paged and self.mesh is not None:
-      raise ValueError("EngineConfig.kv_cache_gb: paged KV memory runs on one device, not yet "
-                       "on a mesh; use dense caches (kv_cache_gb=0) on a mesh")
     group = prompt_group(prompts, prompt_lengths, dp) if self.engine.share_prefill else 1
     # a queue: `slots` rows step at once; a segment returns once `refill` slots are free, and
     # they take waiting rows, prefilled `prefill_rows` (whole prompt groups) at a time
@@ -338,8 +352,10 @@ class _Run:
     host_lengths = np.asarray(jax.device_get(prompt_lengths)) if paged else None
     if paged and queue_ok and not max_rows:
       # a memory budget instead of a batch size: as many slots as rows the empty pool holds at
-      # once (a slot beyond them could only hold a row without pages, which does not step)
-      max_rows = max(int(self.first_admission(self.page_pool(), host_lengths, group).sum()), 1)
+      # once (a slot beyond them could only hold a row without pages, which does not step); on
+      # a mesh, what one replica's pages hold of the first rows, on every replica
+      holds = self.first_admission(self.page_pool(len(host_lengths)), host_lengths, group)
+      max_rows = max(int(holds.sum()), 1) * dp
     slots, refill, prefill_rows = queue_slots(batch, max_rows, group, dp,
                                               self.engine.refill_fraction, whole_groups=paged)
     compact = self.engine.compaction and queue_ok
@@ -369,10 +385,12 @@ class _Run:
       return len(queue) + (0 if pending is None else int(pending[2].sum()))
 
     def admit(state, free_slots):
-      """The next `refill` waiting rows into free slots: (state, rows admitted). Dense: from
-      the pending prefill, or from a prefill of the next `prefill_rows` (padded past the queue's
-      end) when none is pending. Paged: a prefill of the whole prompt groups the free pages hold
-      (None: not one)."""
+      """The next `refill` waiting rows into free slots: (state, the slots they took). Dense:
+      from the pending prefill, or from a prefill of the next `prefill_rows` (padded past the
+      queue's end) when none is pending. Paged: a prefill of the whole prompt groups the free
+      pages hold (None: not one), each group's samples in free slots of one data-parallel
+      replica (they share their prompt pages, which lie on it), the replica with most free
+      slots first."""
       nonlocal queue, admissions, pending
       if not paged:
         if pending is None:
@@ -393,26 +411,37 @@ class _Run:
         wait[now] = False
         if not wait.any():
           pending = None
-        return _admit(state, new, jnp.asarray(into), jnp.asarray(row_ids)), len(now)
+        return (_admit(state, new, jnp.asarray(into), jnp.asarray(row_ids)),
+                free_slots[:len(now)])
       rows = queue[:refill]
-      into = free_slots[:refill]
-      placed = 0
-      while placed < len(rows) and pages.admit(
-          into[placed:placed + group], host_lengths[rows[placed:placed + group]] + 1,
-          self.k_max, int(host_lengths[rows[placed]]) if group > 1 else 0):
-        placed += group
-      if not placed:
+      free = list(free_slots)
+      into = []
+      while len(into) < len(rows):
+        group_rows = rows[len(into):len(into) + group]
+        by_replica = {}
+        for slot in free:
+          by_replica.setdefault(pages.replica_of(slot), []).append(slot)
+        slots_in = next((sl[:group] for sl in sorted(by_replica.values(), key=len, reverse=True)
+                         if len(sl) >= group and pages.admit(
+                             sl[:group], host_lengths[group_rows] + 1, self.k_max,
+                             int(host_lengths[group_rows[0]]) if group > 1 else 0)), None)
+        if slots_in is None:
+          break
+        into += slots_in
+        free = [slot for slot in free if slot not in slots_in]
+      if not into:
         return None
-      rows = rows[:placed]
+      rows = rows[:len(into)]
       queue = queue[len(rows):]
       take = np.concatenate([rows, np.full(refill - len(rows), rows[-1])]).astype(np.int32)
       ids = np.concatenate([rows, np.full(refill - len(rows), -1)]).astype(np.int32)
+      into = np.concatenate([into, np.zeros(refill - len(into))]).astype(np.int32)
       admissions += 1
       new = self.prefill(prompts[take], prompt_lengths[take],
                          jax.random.fold_in(key_prefill, admissions), group)
-      into, ids = jnp.asarray(into, jnp.int32), jnp.asarray(ids)
-      return paging.admit_paged(state, new, into, ids, jnp.asarray(
-          pages.table(np.asarray(into), np.asarray(ids)))), len(rows)
+      table = jnp.asarray(pages.table(into, ids))
+      return (paging.admit_paged(state, new, jnp.asarray(into), jnp.asarray(ids), table),
+              into[:len(rows)])
 
     queue_jobs = ()
     if len(queue):  # the admission programs compile with the others (compiled, not run: a
@@ -453,8 +482,8 @@ class _Run:
           if new_state is None:  # no pages: wait for rows to finish
             no_pages = True
             break
-          (state, placed), admitted = new_state, True
-          free, live = free[placed:], live + placed
+          (state, taken), admitted = new_state, True
+          free, live = free[~np.isin(free, taken)], live + len(taken)
         out = state
         # (an admitted row can be done at once: its first token ended it)
         summary = jax.device_get(_summary(state))
@@ -467,23 +496,22 @@ class _Run:
           break
         # every row is done: the pages of rows that ended at their first token come back at
         # the next visit; with every page free, a prompt group must fit
-        if not paged or pages.alloc.pages_in_use == 0:
+        if not paged or pages.pages_in_use == 0:
           raise ValueError(
               f"EngineConfig.kv_cache_gb={self.engine.kv_cache_gb}: the pool's "
-              f"{pages.alloc.num_pages} pages cannot hold the first pages of one prompt group "
-              f"({group} rows); raise kv_cache_gb or lower page_ahead")
+              f"{pages.num_pages // dp} pages{' per data-parallel replica' if dp > 1 else ''} "
+              f"cannot hold the first pages of one prompt group ({group} rows); raise "
+              f"kv_cache_gb or lower page_ahead")
         continue
-      fits = [b for b in buckets if b >= live]
-      if compact and not waiting() and fits[-1] < bucket:
+      # (paged KV on a mesh: a row's pages lie on its replica, so it stays there)
+      new, idx, pad = compaction(homes[np.flatnonzero(live_mask)], buckets, slots, dp,
+                                 by_replica=paged)
+      if compact and not waiting() and new < bucket:
         # gather the live rows into the smallest bucket, from the full-size state (brought up
         # to date first): one gather program per bucket, whichever bucket the rows come from
         # (a full-size state is its own write-back; `out` then is an earlier state, whose
         # buffers the segments since took)
         out = state if bucket == slots else _write_back(out, state)
-        rows = homes[np.flatnonzero(live_mask)]
-        new = fits[-1]
-        idx = np.concatenate([rows, np.full(new - live, rows[0])]).astype(np.int32)
-        pad = np.arange(new) >= live
         state, bucket = _take_jit(out, jnp.asarray(idx), jnp.asarray(pad)), new
         if not self.engine.compile_ahead:  # (a no-op once the bucket is prepared)
           self.prepare_buckets(state, [new])
@@ -509,7 +537,8 @@ class _Run:
         stop_at_live = live - 1 if no_pages else slots - refill
       else:
         smaller = [b for b in buckets if b < bucket]
-        stop_at_live = smaller[0] if compact and smaller else 0
+        # (on a mesh, paged: the live rows may fit a smaller bucket, but not each replica's)
+        stop_at_live = min(smaller[0], live - 1) if compact and smaller else 0
       t0 = time.perf_counter()
       # (paged) a segment also returns once a refill's worth more rows wait for pages
       paused_rows = pages.paused if paged else 0
@@ -533,7 +562,7 @@ class _Run:
                                    tokens=int(tokens_after - tokens_before), seconds=seconds,
                                    expected_tokens_per_s=expected,
                                    drafter_retired=self.policy.retired,
-                                   pages_in_use=pages.alloc.pages_in_use if paged else 0,
+                                   pages_in_use=pages.pages_in_use if paged else 0,
                                    swapped_out=pages.swaps - swaps_before if paged else 0,
                                    waiting_for_pages=paused_rows))
       swaps_before = pages.swaps if paged else 0

@@ -20,9 +20,10 @@ class EngineConfig:
   # no free slot wait prefilled (dense: their caches held meanwhile) for the next ones (paged:
   # refills are whole groups, which share their prompt pages)
   refill_fraction: float = 0.125
-  # the target's KV memory in GiB: > 0 pages it (rows take pages of page_size positions as they
-  # grow, `paging.py`) and admits waiting rows while pages are free; 0: a dense cache of the
-  # longest possible row per slot
+  # the target's KV memory in GiB per device: > 0 pages it (rows take pages of page_size
+  # positions as they grow, `paging.py`) and admits waiting rows while pages are free; on a mesh
+  # each data-parallel replica holds its own pages; 0: a dense cache of the longest possible row
+  # per slot
   kv_cache_gb: float = 0.0
   page_size: int = 16
   page_ahead: int = 32  # positions of pages a row takes beyond its next step when it grows

@@ -117,12 +117,16 @@ def _padded(pages, width: int) -> jax.Array:
 
 # -- host side ------------------------------------------------------------------------------------
 
-class SlotPages:
-  """Which pages each slot of the engine holds, and the rows swapped out to host memory."""
+class ReplicaPages:
+  """The pages of one data-parallel replica's slots (its shard of the pool: global page ids
+  `offset` + [0, num_pages)) and its rows swapped out to host memory. The allocator keys rows by
+  their engine slot and counts pages from 0; `offset` turns them into the pool's ids."""
 
-  def __init__(self, num_pages: int, page_size: int, cache_size: int, page_ahead: int):
+  def __init__(self, num_pages: int, page_size: int, cache_size: int, page_ahead: int,
+               offset: int = 0):
     self.max_pages = -(-cache_size // page_size)
     self.alloc = PageAllocator(num_pages, page_size, self.max_pages)
+    self.offset = offset
     self.page_size, self.cache_size = page_size, cache_size
     self.ahead = max(page_ahead, 1)
     self.swapped: dict[int, tuple] = {}  # slot -> (k, v, pages held) on the host
@@ -172,7 +176,8 @@ class SlotPages:
     padding and for rows that hold none (finished, free or swapped out)."""
     rows = [int(h) if r >= 0 and int(h) in self.alloc else PADDING_ROW
             for h, r in zip(homes, row_ids)]
-    return self.alloc.page_table(rows, self.max_pages)
+    table = self.alloc.page_table(rows, self.max_pages)
+    return np.where(table >= 0, table + self.offset, table)
 
   def visit(self, cache: PagedKV, live, seq_lens, homes, draft_len: int) -> PagedKV:
     """Between segments: free the pages of rows no longer live, bring swapped rows back where
@@ -180,6 +185,7 @@ class SlotPages:
     the rows that wait for pages would otherwise stall the batch. Returns the pool with the
     copies made (the caller sets the page table from `table`)."""
     live_slots = {int(h): int(n) for h, n, ok in zip(homes, seq_lens, live) if ok}
+    # (rows of other replicas are in `live_slots` too; only this replica's are visited)
     for slot in self.alloc.rows:
       if slot not in live_slots:
         self.alloc.release(slot)
@@ -187,7 +193,7 @@ class SlotPages:
       k, v, held = self.swapped[slot]
       if not self.alloc.admit(slot, max(held, self.tokens_for(live_slots[slot], draft_len))):
         break
-      cache = write_pages(cache, _padded(self.alloc.row_pages(slot), self.max_pages), k, v)
+      cache = write_pages(cache, self._padded(self.alloc.row_pages(slot)), k, v)
       del self.swapped[slot]
     short = []  # live rows whose pages cannot hold their next step
     for slot in self.alloc.rows:  # oldest admission first
@@ -211,7 +217,7 @@ class SlotPages:
     victims = self.alloc.preempt_candidates(need, keep=(first,)) or []
     for slot in victims:
       pages = self.alloc.row_pages(slot)
-      k, v = jax.device_get(read_pages(cache, _padded(pages, self.max_pages)))
+      k, v = jax.device_get(read_pages(cache, self._padded(pages)))
       self.swapped[slot] = (k, v, len(pages) * self.page_size)
       self.alloc.release(slot)
       self.swaps += 1
@@ -219,8 +225,99 @@ class SlotPages:
         self.alloc.grow(first, seq_len + draft_len)
     return cache
 
+  def _padded(self, pages) -> jax.Array:
+    """A row's pages as global ids, padded to a page table row."""
+    return _padded([p + self.offset for p in pages], self.max_pages)
+
+class SlotPages:
+  """Which pages each slot of the engine holds: one `ReplicaPages` per data-parallel replica,
+  which owns the slots [r * slots_per_replica, (r + 1) * slots_per_replica) and pages
+  [r * pages_per_replica, (r + 1) * pages_per_replica) of the pool, so a row's pages lie on the
+  devices that step it. One device: a single replica holding every slot and page."""
+
+  def __init__(self, num_pages: int, page_size: int, cache_size: int, page_ahead: int,
+               slots: int = 1, replicas: int = 1):
+    """`num_pages`: per replica."""
+    if replicas < 1 or slots % replicas:
+      raise ValueError(f"{slots} slots do not split over {replicas} data-parallel replicas")
+    self.replicas = [ReplicaPages(num_pages, page_size, cache_size, page_ahead, r * num_pages)
+                     for r in range(replicas)]
+    self.slots_per_replica = max(slots // replicas, 1)
+    self.page_size, self.cache_size = page_size, cache_size
+    self.max_pages = self.replicas[0].max_pages
+
+  # -- counters -----------------------------------------------------------------------------------
+
+  @property
+  def num_pages(self) -> int:
+    """Pages of the whole pool (every replica's)."""
+    return sum(r.alloc.num_pages for r in self.replicas)
+
+  @property
+  def pages_in_use(self) -> int:
+    return sum(r.alloc.pages_in_use for r in self.replicas)
+
+  @property
+  def paused(self) -> int:
+    return sum(r.paused for r in self.replicas)
+
+  @property
+  def swaps(self) -> int:
+    return sum(r.swaps for r in self.replicas)
+
+  def replica_of(self, slot: int) -> int:
+    return min(int(slot) // self.slots_per_replica, len(self.replicas) - 1)
+
+  def _of(self, slot) -> ReplicaPages:
+    return self.replicas[self.replica_of(slot)]
+
+  def __contains__(self, slot) -> bool:
+    return int(slot) in self._of(slot).alloc
+
+  def row_pages(self, slot: int) -> tuple[int, ...]:
+    """The pages of the row in `slot`, as the pool's (global) ids."""
+    rep = self._of(slot)
+    return tuple(p + rep.offset for p in rep.alloc.row_pages(int(slot)))
+
+  def refcount(self, page: int) -> int:
+    """How many rows hold the pool's page `page` (0: free)."""
+    rep = self.replicas[int(page) // self.replicas[0].alloc.num_pages]
+    return rep.alloc.refcount(int(page) - rep.offset)
+
+  # -- the engine's calls -------------------------------------------------------------------------
+
+  def admit(self, slots, seq_lens, draft_len: int, prompt_len: int = 0) -> bool:
+    """`ReplicaPages.admit` on the replica of `slots` (which must all be on one: a group's
+    samples share their prompt pages)."""
+    owners = {self.replica_of(s) for s in slots}
+    if len(owners) != 1:
+      raise ValueError(f"slots {list(slots)} lie on replicas {sorted(owners)}: the rows admitted "
+                       f"together must be on one replica")
+    return self.replicas[owners.pop()].admit(slots, seq_lens, draft_len, prompt_len)
+
+  def blocked(self, slot: int) -> bool:
+    """The replica of `slot` admits no row now (one of its admitted rows waits for pages)."""
+    return self._of(slot).waiting
+
+  def table(self, homes, row_ids) -> np.ndarray:
+    """int32[len(homes), max_pages]: the (global) pages of each bucket row's home slot; NO_PAGE
+    for padding and for rows that hold none (finished, free or swapped out)."""
+    table = np.full((len(homes), self.max_pages), NO_PAGE, np.int32)
+    homes, row_ids = np.asarray(homes), np.asarray(row_ids)
+    for r, rep in enumerate(self.replicas):
+      mine = np.flatnonzero([self.replica_of(h) == r for h in homes])
+      if len(mine):
+        table[mine] = rep.table(homes[mine], row_ids[mine])
+    return table
+
+  def visit(self, cache: PagedKV, live, seq_lens, homes, draft_len: int) -> PagedKV:
+    """`ReplicaPages.visit` on every replica."""
+    for rep in self.replicas:
+      cache = rep.visit(cache, live, seq_lens, homes, draft_len)
+    return cache
+
   def compile_swaps(self, cache: PagedKV):
     """Run swapping's copies once (nothing changes), so they compile before the rollout."""
-    none = _padded([], self.max_pages)
+    none = self.replicas[0]._padded([])
     k, v = read_pages(cache, none)
     return write_pages(cache, none, k, v)

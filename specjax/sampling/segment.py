@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from flax import nnx, struct
 
 from specjax.models.cache import KVCache
-from specjax.models.paged import NO_PAGE, PagedKV
+from specjax.models.paged import NO_PAGE, POOL_AXES, PagedKV
 from specjax.sampling.core import SamplingConfig, is_eos, prefill
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import AcceptanceCounts
@@ -71,8 +71,10 @@ def constrain(state: EngineState, mesh) -> EngineState:
     return state
 
   def one(x):
-    if isinstance(x, PagedKV):  # the pool is not per row (paged runs on one device)
-      return x.replace(page_table=with_logical_constraint(x.page_table, ("batch", None), mesh),
+    if isinstance(x, PagedKV):  # the pool: pages on the batch axes, as the rows holding them
+      pool = lambda a: with_logical_constraint(a, POOL_AXES, mesh)
+      return x.replace(k=pool(x.k), v=pool(x.v),
+                       page_table=with_logical_constraint(x.page_table, ("batch", None), mesh),
                        lengths=with_logical_constraint(x.lengths, ("batch",), mesh))
     if is_cache(x):
       k = lambda a: with_logical_constraint(a, K_CACHE_AXES, mesh)
