@@ -45,19 +45,27 @@ def static_ar(target):
   return generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
 
 
+class _Log(list):
+  drafter_paged = False
+
+
 @pytest.fixture
 def page_checks(monkeypatch):
   """Checks, at every visit of the real engine, what the device will read: no page in two rows'
   tables, every page of the allocator in exactly the table row of its slot, every row the
   allocator holds able to hold its committed tokens, and (on a mesh) every row's pages in its
-  own data-parallel replica's shard of the pool, the replica that steps it. Returns the
-  per-visit (live rows, pages in use) log."""
-  log = []
+  own data-parallel replica's shard of the pool, the replica that steps it; a drafter cache on
+  pages has the target's page table. Returns the per-visit (live rows, pages in use) log (its
+  `drafter_paged`: a visit saw the drafter's cache on pages)."""
+  log = _Log()
   real = eng._Run.visit_pages
 
   def visit(self, state, pages, summary):
     state = real(self, state, pages, summary)
     table = np.asarray(state.cache.page_table)
+    if isinstance(state.drafter_state, PagedKV):
+      np.testing.assert_array_equal(np.asarray(state.drafter_state.page_table), table)
+      log.drafter_paged = True
     live, seq_lengths, _, _, _, row_ids, homes = summary
     held = collections.Counter(table[table >= 0].tolist())
     assert len(held) == pages.pages_in_use, "a page in use is in no table (or leaked)"
@@ -107,8 +115,11 @@ def test_greedy_paged_speculative_equals_the_plain_loop(target, static_ar, page_
   else:
     drafter, params = NgramDrafter(draft_len=3, n=2), ()
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
-                             GREEDY, engine=paged(20, adaptive=kind == "adaptive"))
+                             GREEDY, engine=paged(40, adaptive=kind == "adaptive"))
   assert_same_rollout(out, static_ar)
+  # a draft model's cache lives on the target's pages (40 pages of target + draft KV: 20 rows'
+  # worth of each, as 20 target-only pages held)
+  assert page_checks.drafter_paged == (kind != "ngram")
   if kind != "adaptive":
     assert all(s.draft_len == 3 for s in out.segments)
 
@@ -178,6 +189,12 @@ def test_a_groups_samples_share_their_prompt_pages(target, page_checks, num_page
 def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
   with pytest.raises(ValueError, match="kv_cache_gb.*one row needs up to 8 pages"):
     generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=paged(7))
+  # a draft model as large as the target: each page holds its KV too, so 8 pages' worth of
+  # target memory holds 4 pages
+  drafter, params = DraftModelDrafter.from_model(target, 3)
+  with pytest.raises(ValueError, match="kv_cache_gb.*holds 4 pages.*one row needs up to 9"):
+    speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                         GREEDY, engine=paged(8))
   with pytest.raises(ValueError, match="EngineConfig.page_size"):
     EngineConfig(page_size=0)
 

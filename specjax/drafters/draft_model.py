@@ -51,6 +51,10 @@ class DraftModelDrafter(Drafter):
     return cls(draft_len=draft_len, vocab_size=model.cfg.vocab_size, graphdef=graphdef,
                **kw), params
 
+  def page_layout(self, params):
+    cfg = nnx.merge(self.graphdef, params).cfg
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype
+
   def init(self, params, batch: int, cache_size: int) -> KVCache:
     return nnx.merge(self.graphdef, params).init_cache(batch, cache_size)
 

@@ -35,7 +35,7 @@ from specjax.sampling.drafter import Drafter
 from specjax.sampling.engine_config import EngineConfig, Segment
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.segment import (EngineState, SegmentSpec, init_state, map_rows,
-                                      release_pages, run_segment, take_rows)
+                                      release_pages, run_segment, take_rows, with_page_table)
 from specjax.sharding.rules import logical_to_spec
 
 def params_mesh(params):
@@ -289,23 +289,27 @@ class _Run:
                      target_cache_size=target_size)
 
   def page_pool(self, slots: int = 1, replicas: int = 1) -> paging.SlotPages:
-    """An empty pool for the target's KV (host-side accounting): `EngineConfig.kv_cache_gb` of
-    it on each device, so on a mesh each data-parallel replica holds that many GiB of pages
-    times the devices its kv heads split over."""
+    """An empty pool for the target's KV, and a paged drafter cache's (host-side accounting):
+    `EngineConfig.kv_cache_gb` of it on each device, so on a mesh each data-parallel replica
+    holds that many GiB of pages times the devices its kv heads split over. A page is a target
+    page and, for a drafter whose cache is paged (`Drafter.page_layout`), a drafter page."""
     cfg = nnx.merge(self.graphdef, self.params).cfg
     page_size = self.engine.page_size
-    page_bytes = paging.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                       page_size, cfg.compute_dtype)
-    num_pages = paging.pool_size(self.engine.kv_cache_gb, page_bytes / self.kv_head_split(cfg),
-                                 page_size, self.cache_size)
+    layouts = [(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)]
+    if self.drafter is not None and self.drafter.page_layout(self.drafter_params) is not None:
+      layouts.append(self.drafter.page_layout(self.drafter_params))
+    page_bytes = sum(paging.bytes_per_page(layers, hkv, dh, page_size, dtype)
+                     / self.kv_head_split(hkv) for layers, hkv, dh, dtype in layouts)
+    num_pages = paging.pool_size(self.engine.kv_cache_gb, page_bytes, page_size,
+                                 self.cache_size)
     return paging.SlotPages(num_pages, page_size, self.cache_size, self.engine.page_ahead,
                             slots, replicas)
 
-  def kv_head_split(self, cfg) -> int:
-    """Devices one page's kv heads split over (1 off a mesh)."""
+  def kv_head_split(self, num_kv_heads: int) -> int:
+    """Devices a page's `num_kv_heads` split over (1 off a mesh)."""
     if self.mesh is None:
       return 1
-    spec = logical_to_spec(("kv_heads",), shape=(cfg.num_kv_heads,), mesh=self.mesh)[0]
+    spec = logical_to_spec(("kv_heads",), shape=(num_kv_heads,), mesh=self.mesh)[0]
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
     return math.prod(self.mesh.shape[a] for a in axes)
 
@@ -336,8 +340,15 @@ class _Run:
     admitted = self.first_admission(pages, prompt_lengths[:slots], group)
     pool = PagedKV.create(len(dense.k), pages.num_pages, pages.page_size, slots,
                           pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=self.mesh)
+    draft_pool = None
+    if self.drafter is not None and self.drafter.page_layout(self.drafter_params) is not None:
+      draft = state.drafter_state  # (the dense prompt-wide cache the prefill made)
+      _, d_hkv, d_dh, _ = draft.k[0].shape
+      draft_pool = PagedKV.create(len(draft.k), pages.num_pages, pages.page_size, slots,
+                                  pages.max_pages, d_hkv, d_dh, draft.k[0].dtype, mesh=self.mesh)
     table = pages.table(np.arange(slots), np.where(admitted, 0, -1))
-    state = paging.start_paged(state, pool, jnp.asarray(table), jnp.asarray(admitted))
+    state = paging.start_paged(state, pool, jnp.asarray(table), jnp.asarray(admitted),
+                               draft_pool)
     return state, pages, np.flatnonzero(~admitted)
 
   def run(self, prompts, prompt_lengths, key) -> Rollout:
@@ -458,7 +469,7 @@ class _Run:
 
       queue_jobs = (lambda: _harvest.lower(results, state).compile(), compile_admission)
     if paged:  # swapping's page copies
-      queue_jobs += (lambda: pages.compile_swaps(state.cache),)
+      queue_jobs += (lambda: pages.compile_swaps(paging.pools(state)),)
     self.prepare_buckets(state, buckets if self.engine.compile_ahead else buckets[:1],
                          queue_jobs)
     out, bucket, total_steps = state, slots, 0
@@ -579,9 +590,10 @@ class _Run:
     """`SlotPages.visit` between segments, then the state's page table brought up to date."""
     live_mask, seq_lengths, _, _, _, row_ids, homes = summary
     # (summary lengths are 0 for rows that are not live)
-    cache = pages.visit(state.cache, live_mask, seq_lengths, homes, self.k_max)
-    table = pages.table(homes, row_ids)
-    return state.replace(cache=cache.with_page_table(jnp.asarray(table)))
+    state = paging.with_pools(state, pages.visit(paging.pools(state), live_mask, seq_lengths,
+                                                 homes, self.k_max))
+    # (from the host table: each pool gets its own buffer, so a segment may donate both)
+    return with_page_table(state, pages.table(homes, row_ids))
 
 
 def run_engine(graphdef, params, drafter: Drafter | None, drafter_params, prompts: jax.Array,

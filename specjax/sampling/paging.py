@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.models.cache import KVCache
 from specjax.models.paged import NO_PAGE, PagedKV, write
 from specjax.sampling.pages import PADDING_ROW, PageAllocator
 from specjax.sampling.segment import EngineState, map_rows
@@ -60,27 +61,47 @@ def kv_cache_gb_for(fraction: float, device=None, field: str = "kv_cache_fractio
 
 # -- device side ----------------------------------------------------------------------------------
 
-@jax.jit
-def to_paged(state: EngineState, pool: PagedKV, table: jax.Array) -> EngineState:
-  """A prefilled state with a dense target cache -> the same rows on `pool`: each row's cached
-  positions written into the pages of its row of `table` (int32[b, max_pages]; NO_PAGE rows
-  write nothing)."""
-  dense = state.cache
+def pools(state: EngineState) -> tuple[PagedKV, ...]:
+  """The state's page pools: the target's, then the drafter's when its cache is paged too (it
+  shares the target's page table: a page id names a target page and a drafter page)."""
+  return (state.cache,) + ((state.drafter_state,) if isinstance(state.drafter_state, PagedKV)
+                           else ())
+
+
+def with_pools(state: EngineState, new: tuple[PagedKV, ...]) -> EngineState:
+  """`state` with its pools (as `pools` lists them) replaced."""
+  state = state.replace(cache=new[0])
+  return state.replace(drafter_state=new[1]) if len(new) > 1 else state
+
+
+def _into_pages(dense: KVCache, pool: PagedKV, table: jax.Array) -> PagedKV:
+  """Each row's cached positions of a dense cache written into the pages of its row of
+  `table` (int32[b, max_pages]; NO_PAGE rows write nothing): the rows on `pool`."""
   for layer in range(len(dense.k)):
     k = jnp.transpose(dense.k[layer], (0, 3, 1, 2))  # [b, Hkv, Dh, S] -> [b, S, Hkv, Dh]
     v = jnp.transpose(dense.v[layer], (0, 2, 1, 3))  # [b, Hkv, S, Dh] -> [b, S, Hkv, Dh]
     pk, pv = write(pool.k, pool.v, k, v, table, jnp.zeros_like(dense.lengths), layer=layer)
     pool = pool.replace(k=pk, v=pv)
-  return state.replace(cache=pool.replace(page_table=jnp.asarray(table, jnp.int32),
-                                          lengths=dense.lengths))
+  return pool.replace(page_table=jnp.asarray(table, jnp.int32), lengths=dense.lengths)
 
 
 @jax.jit
-def start_paged(state: EngineState, pool: PagedKV, table: jax.Array,
-                admitted: jax.Array) -> EngineState:
-  """The engine's first prefilled rows on `pool`; rows not `admitted` (no pages for them yet)
-  become free slots, to be admitted again later."""
-  state = to_paged(state, pool, table)
+def to_paged(state: EngineState, pool: PagedKV, table: jax.Array,
+             draft_pool: PagedKV | None = None) -> EngineState:
+  """A prefilled state with dense caches -> the same rows on `pool` (and the drafter's cache on
+  `draft_pool`, through the same table)."""
+  state = state.replace(cache=_into_pages(state.cache, pool, table))
+  if draft_pool is not None:
+    state = state.replace(drafter_state=_into_pages(state.drafter_state, draft_pool, table))
+  return state
+
+
+@jax.jit
+def start_paged(state: EngineState, pool: PagedKV, table: jax.Array, admitted: jax.Array,
+                draft_pool: PagedKV | None = None) -> EngineState:
+  """The engine's first prefilled rows on `pool` (and `draft_pool`); rows not `admitted` (no
+  pages for them yet) become free slots, to be admitted again later."""
+  state = to_paged(state, pool, table, draft_pool)
   return state.replace(done=state.done | ~admitted,
                        row_ids=jnp.where(admitted, state.row_ids, -1))
 
@@ -90,23 +111,29 @@ def admit_paged(state: EngineState, new: EngineState, slots: jax.Array, row_ids:
                 table: jax.Array) -> EngineState:
   """`engine._admit` for a paged state: the prefilled rows `new` (dense prompt caches) into
   their pages and their free `slots` as the caller's `row_ids` (-1: padding, dropped)."""
-  new = to_paged(new, state.cache, table)
+  new = to_paged(new, *pools(state)[:1], table, *pools(state)[1:])
   idx = jnp.where(row_ids >= 0, slots, state.done.shape[0])
   new = new.replace(row_ids=row_ids, slots=slots)
   return map_rows(lambda o, s: o.at[idx].set(s, mode="drop"), state, new)
 
 
 @jax.jit
-def read_pages(pool: PagedKV, pages: jax.Array) -> tuple[jax.Array, jax.Array]:
-  idx = jnp.clip(pages, 0, pool.num_pages - 1)
-  return pool.k[:, :, idx], pool.v[:, :, idx]
+def read_pages(pools: tuple[PagedKV, ...], pages: jax.Array) -> tuple:
+  """((k, v) of `pages` in every pool)."""
+  def one(pool):
+    idx = jnp.clip(pages, 0, pool.num_pages - 1)
+    return pool.k[:, :, idx], pool.v[:, :, idx]
+  return tuple(one(pool) for pool in pools)
 
 
 @jax.jit
-def write_pages(pool: PagedKV, pages: jax.Array, k: jax.Array, v: jax.Array) -> PagedKV:
-  idx = jnp.where((pages >= 0) & (pages < pool.num_pages), pages, pool.num_pages)
-  return pool.replace(k=pool.k.at[:, :, idx].set(k, mode="drop"),
-                      v=pool.v.at[:, :, idx].set(v, mode="drop"))
+def write_pages(pools: tuple[PagedKV, ...], pages: jax.Array, kv: tuple) -> tuple[PagedKV, ...]:
+  """`read_pages`' values back into `pages` of every pool."""
+  def one(pool, k, v):
+    idx = jnp.where((pages >= 0) & (pages < pool.num_pages), pages, pool.num_pages)
+    return pool.replace(k=pool.k.at[:, :, idx].set(k, mode="drop"),
+                        v=pool.v.at[:, :, idx].set(v, mode="drop"))
+  return tuple(one(pool, k, v) for pool, (k, v) in zip(pools, kv))
 
 
 def _padded(pages, width: int) -> jax.Array:
@@ -129,7 +156,7 @@ class ReplicaPages:
     self.offset = offset
     self.page_size, self.cache_size = page_size, cache_size
     self.ahead = max(page_ahead, 1)
-    self.swapped: dict[int, tuple] = {}  # slot -> (k, v, pages held) on the host
+    self.swapped: dict[int, tuple] = {}  # slot -> ((k, v) per pool, pages held) on the host
     self.waiting = False  # an admitted row waits for pages: admit no new rows
     self.paused = 0  # live rows without pages for their next step after the last visit
     self.swaps = 0  # rows swapped out so far
@@ -179,10 +206,11 @@ class ReplicaPages:
     table = self.alloc.page_table(rows, self.max_pages)
     return np.where(table >= 0, table + self.offset, table)
 
-  def visit(self, cache: PagedKV, live, seq_lens, homes, draft_len: int) -> PagedKV:
+  def visit(self, pools: tuple[PagedKV, ...], live, seq_lens, homes,
+            draft_len: int) -> tuple[PagedKV, ...]:
     """Between segments: free the pages of rows no longer live, bring swapped rows back where
     pages allow, give live rows pages for their next steps, and swap out the newest rows when
-    the rows that wait for pages would otherwise stall the batch. Returns the pool with the
+    the rows that wait for pages would otherwise stall the batch. Returns the pools with the
     copies made (the caller sets the page table from `table`)."""
     live_slots = {int(h): int(n) for h, n, ok in zip(homes, seq_lens, live) if ok}
     # (rows of other replicas are in `live_slots` too; only this replica's are visited)
@@ -190,10 +218,10 @@ class ReplicaPages:
       if slot not in live_slots:
         self.alloc.release(slot)
     for slot in list(self.swapped):  # oldest swap first
-      k, v, held = self.swapped[slot]
+      kv, held = self.swapped[slot]
       if not self.alloc.admit(slot, max(held, self.tokens_for(live_slots[slot], draft_len))):
         break
-      cache = write_pages(cache, self._padded(self.alloc.row_pages(slot)), k, v)
+      pools = write_pages(pools, self._padded(self.alloc.row_pages(slot)), kv)
       del self.swapped[slot]
     short = []  # live rows whose pages cannot hold their next step
     for slot in self.alloc.rows:  # oldest admission first
@@ -206,28 +234,30 @@ class ReplicaPages:
         short.append(slot)
     # swap out when at least half the rows holding pages wait (all of them: nothing would move)
     if short and 2 * len(short) >= len(self.alloc.rows):
-      cache = self._swap_out(cache, short[0], live_slots[short[0]], draft_len)
+      pools = self._swap_out(pools, short[0], live_slots[short[0]], draft_len)
     self.waiting = bool(short or self.swapped)
     self.paused = len(short) + len(self.swapped)
-    return cache
+    return pools
 
-  def _swap_out(self, cache: PagedKV, first: int, seq_len: int, draft_len: int) -> PagedKV:
+  def _swap_out(self, pools: tuple[PagedKV, ...], first: int, seq_len: int,
+                draft_len: int) -> tuple[PagedKV, ...]:
     """Swap out the newest rows until the oldest waiting row (`first`) can take its pages."""
     need = self.alloc.pages_for(seq_len + draft_len) - len(self.alloc.row_pages(first))
     victims = self.alloc.preempt_candidates(need, keep=(first,)) or []
     for slot in victims:
       pages = self.alloc.row_pages(slot)
-      k, v = jax.device_get(read_pages(cache, self._padded(pages)))
-      self.swapped[slot] = (k, v, len(pages) * self.page_size)
+      kv = jax.device_get(read_pages(pools, self._padded(pages)))
+      self.swapped[slot] = (kv, len(pages) * self.page_size)
       self.alloc.release(slot)
       self.swaps += 1
     self.alloc.grow(first, self.tokens_for(seq_len, draft_len)) or \
         self.alloc.grow(first, seq_len + draft_len)
-    return cache
+    return pools
 
   def _padded(self, pages) -> jax.Array:
     """A row's pages as global ids, padded to a page table row."""
     return _padded([p + self.offset for p in pages], self.max_pages)
+
 
 class SlotPages:
   """Which pages each slot of the engine holds: one `ReplicaPages` per data-parallel replica,
@@ -310,14 +340,14 @@ class SlotPages:
         table[mine] = rep.table(homes[mine], row_ids[mine])
     return table
 
-  def visit(self, cache: PagedKV, live, seq_lens, homes, draft_len: int) -> PagedKV:
+  def visit(self, pools: tuple[PagedKV, ...], live, seq_lens, homes,
+            draft_len: int) -> tuple[PagedKV, ...]:
     """`ReplicaPages.visit` on every replica."""
     for rep in self.replicas:
-      cache = rep.visit(cache, live, seq_lens, homes, draft_len)
-    return cache
+      pools = rep.visit(pools, live, seq_lens, homes, draft_len)
+    return pools
 
-  def compile_swaps(self, cache: PagedKV):
+  def compile_swaps(self, pools: tuple[PagedKV, ...]):
     """Run swapping's copies once (nothing changes), so they compile before the rollout."""
     none = self.replicas[0]._padded([])
-    k, v = read_pages(cache, none)
-    return write_pages(cache, none, k, v)
+    return write_pages(pools, none, read_pages(pools, none))

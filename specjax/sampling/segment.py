@@ -94,12 +94,19 @@ def take_rows(state: EngineState, idx: jax.Array, pad: jax.Array) -> EngineState
 
 
 def release_pages(state: EngineState, rows: jax.Array) -> EngineState:
-  """Rows (bool[b]) of a paged state lose their page-table entries, so whatever a step computes
-  for them is written nowhere (their pages may belong to another row now)."""
+  """Rows (bool[b]) of a paged state lose their page-table entries (in the target's pool and a
+  paged drafter cache's), so whatever a step computes for them is written nowhere (their pages
+  may belong to another row now)."""
   if not isinstance(state.cache, PagedKV):
     return state
-  table = jnp.where(rows[:, None], NO_PAGE, state.cache.page_table)
-  return state.replace(cache=state.cache.with_page_table(table))
+  return with_page_table(state, jnp.where(rows[:, None], NO_PAGE, state.cache.page_table))
+
+
+def with_page_table(state: EngineState, table: jax.Array) -> EngineState:
+  """Every paged cache of the state (the target's; the drafter's, which shares its pages) with
+  page table `table`."""
+  return jax.tree.map(lambda x: x.with_page_table(table) if isinstance(x, PagedKV) else x,
+                      state, is_leaf=is_cache)
 
 
 def paused_rows(s: EngineState, draft_len: int) -> jax.Array:
@@ -130,11 +137,15 @@ def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompt
   hidden states and last logits; each row still samples its own first token.
 
   `target_cache_size` (0: `cache_size`) sizes the target's dense prefill cache: a paged engine
-  prefills into a prompt-wide buffer and copies it into its pages (`paging.to_paged`)."""
+  prefills into a prompt-wide buffer and copies it into its pages (`paging.to_paged`), and so
+  for a drafter whose cache it pages."""
   target = nnx.merge(graphdef, params)
   batch, width = prompts.shape
   n = cfg.max_new_tokens
   target_size = target_cache_size or cache_size
+  # a paged engine keeps a drafter's own KV cache on pages too (`Drafter.page_layout`)
+  draft_size = target_size if drafter is not None and \
+      drafter.page_layout(drafter_params) is not None else cache_size
   if group > 1:
     pre_out, cache, logits = prefill(target, prompts[::group], prompt_lengths[::group],
                                      target_size)
@@ -152,7 +163,7 @@ def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompt
   if drafter is not None:
     shifted = jnp.concatenate([prompts[:, 1:], jnp.zeros((batch, 1), jnp.int32)], axis=1)
     next_tokens = shifted.at[rows, prompt_lengths - 1].set(first)
-    dstate = drafter.init(drafter_params, batch, cache_size)
+    dstate = drafter.init(drafter_params, batch, draft_size)
     # prompt logits are not computed (B x P x V); drafters get hidden and aux_hidden
     dstate = drafter.observe(drafter_params, dstate, TargetStep(
         input_tokens=prompts, next_tokens=next_tokens, start=jnp.zeros((batch,), jnp.int32),
