@@ -16,12 +16,15 @@ from flax import nnx
 from test_queue import (CFG, GREEDY, PROMPT_LENGTHS, PROMPTS,
                         assert_nothing_compiles_after_the_first_rollout, assert_same_rollout)
 
-from specjax.drafters import DraftModelDrafter, NgramDrafter
+from specjax.drafters import (DraftModelDrafter, NgramDrafter, eagle3_drafter, identity_maps,
+                              init_head)
 from specjax.models import Decoder
 from specjax.models.paged import PagedKV
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, generate,
                               speculative_generate)
 from specjax.sampling import engine as eng
+from specjax.sampling import paging
+from specjax.sampling import segment as seg
 from specjax.sampling.paging import bytes_per_page
 from specjax.sharding import MeshConfig, make_mesh, shard_model
 
@@ -63,8 +66,8 @@ def page_checks(monkeypatch):
   def visit(self, state, pages, summary):
     state = real(self, state, pages, summary)
     table = np.asarray(state.cache.page_table)
-    if isinstance(state.drafter_state, PagedKV):
-      np.testing.assert_array_equal(np.asarray(state.drafter_state.page_table), table)
+    for pool in paging.pools(state)[1:]:  # a drafter's cache on the target's pages
+      np.testing.assert_array_equal(np.asarray(pool.page_table), table)
       log.drafter_paged = True
     live, seq_lengths, _, _, _, row_ids, homes = summary
     held = collections.Counter(table[table >= 0].tolist())
@@ -106,19 +109,23 @@ def test_greedy_paged_queue_equals_the_plain_loop(target, static_ar, page_checks
     assert swaps == 0
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram", "adaptive"])
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "adaptive", "eagle3"])
 def test_greedy_paged_speculative_equals_the_plain_loop(target, static_ar, page_checks, kind):
   """`adaptive`: the draft model with K chosen per segment, so calibration's dry segments step
-  the paged state (pool and page tables) and give it back."""
+  the paged state (pool and page tables) and give it back. `eagle3`: an (untrained) EAGLE-3
+  head, its one-layer cache on the target's pages."""
   if kind in ("draft_model", "adaptive"):  # a copy of the target: every draft accepted
     drafter, params = DraftModelDrafter.from_model(target, 3)
+  elif kind == "eagle3":
+    drafter, params = eagle3_drafter(init_head(CFG, seed=3), target.embed[...],
+                                     identity_maps(CFG.vocab_size), draft_len=3)
   else:
     drafter, params = NgramDrafter(draft_len=3, n=2), ()
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
                              GREEDY, engine=paged(40, adaptive=kind == "adaptive"))
   assert_same_rollout(out, static_ar)
-  # a draft model's cache lives on the target's pages (40 pages of target + draft KV: 20 rows'
-  # worth of each, as 20 target-only pages held)
+  # a draft model's or head's cache lives on the target's pages (40 pages of target + draft
+  # KV; for a draft model as large as the target, 20 pages of each)
   assert page_checks.drafter_paged == (kind != "ngram")
   if kind != "adaptive":
     assert all(s.draft_len == 3 for s in out.segments)
@@ -240,6 +247,35 @@ def test_decoder_forward_over_pages_equals_the_dense_cache(target):
   a = target(tokens[:, :3], cache=a.cache.advance(step))
   b = target(tokens[:, :3], cache=b.cache.advance(step).with_window(12))
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+def test_a_drafter_on_pages_drafts_as_on_its_dense_cache(target, kind):
+  """The prompts prefilled and observed (dense, prompt-wide), moved onto scattered pages, then
+  a K = 3 proposal at temperature 1: tokens and draft probabilities equal the dense cache's."""
+  if kind == "eagle3":
+    drafter, params = eagle3_drafter(init_head(CFG, seed=3), target.embed[...],
+                                     identity_maps(CFG.vocab_size), draft_len=3)
+  else:
+    drafter, params = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(7)), 3)
+  graphdef, tparams = nnx.split(target)
+  prompts, lengths = PROMPTS[:6], PROMPT_LENGTHS[:6]
+  cfg = SamplingConfig(max_new_tokens=8, temperature=1.0)
+  dense = seg.init_state(graphdef, tparams, drafter, params, prompts, lengths, jax.random.key(0),
+                         cfg, cache_size=24, max_draft_len=3)
+  small = seg.init_state(graphdef, tparams, drafter, params, prompts, lengths, jax.random.key(0),
+                         cfg, cache_size=24, max_draft_len=3, target_cache_size=6)
+  table = np.random.default_rng(0).permutation(60)[:36].reshape(6, 6).astype(np.int32)
+  pool = lambda c: PagedKV.create(len(c.k), 60, PAGE, 6, 6, c.k[0].shape[1], c.k[0].shape[2])
+  on_pages = paging.to_paged(small, pool(small.cache), jnp.asarray(table),
+                             pool(paging.drafter_cache(small.drafter_state)))
+  assert isinstance(paging.drafter_cache(on_pages.drafter_state), PagedKV)
+  key = jax.random.key(2)
+  a_tok, a_probs, _ = drafter.propose(params, dense.drafter_state, dense.seq, key)
+  b_tok, b_probs, _ = drafter.propose(params, on_pages.drafter_state, on_pages.seq, key)
+  assert a_probs is not None
+  np.testing.assert_array_equal(a_tok, b_tok)
+  np.testing.assert_allclose(a_probs, b_probs, atol=1e-5)
 
 
 def test_after_the_first_paged_rollout_nothing_compiles(target):

@@ -21,6 +21,7 @@ from specjax.drafters.head import Eagle3Head, HeadConfig, init_head
 from specjax.drafters.ttt import ttt_loss, ttt_loss_chunked
 from specjax.drafters.vocab import VocabMaps, draft_to_target_probs, identity_maps
 from specjax.models.cache import KVCache
+from specjax.models.paged import PagedKV
 from specjax.models.hf import config_from_hf
 from specjax.models.layers import causal_mask
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
@@ -161,6 +162,10 @@ class Eagle3Drafter(ChainDrafter):
     head = self._head(params)
     b, t = tokens.shape
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    if isinstance(cache, PagedKV):  # on the target's pages: attention masks by position itself
+      out, pool = head(params.embed, hidden, tokens, positions, None, cache.layer_view(0),
+                       cache.lengths)
+      return out, pool
     keys = jnp.broadcast_to(jnp.arange(cache.visible, dtype=jnp.int32), (b, cache.visible))
     mask = causal_mask(positions, keys)
     out, (k, v) = head(params.embed, hidden, tokens, positions, mask, (cache.k[0], cache.v[0]),
@@ -176,6 +181,9 @@ class Eagle3Drafter(ChainDrafter):
   def cache_spec(self):
     t = self.head_cfg.target
     return t.num_kv_heads, t.head_dim, t.compute_dtype
+
+  def page_layout(self, params):
+    return (1,) + self.cache_spec()
 
   def hidden_size(self):
     return self.head_cfg.hidden_size

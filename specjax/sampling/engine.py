@@ -296,7 +296,7 @@ class _Run:
     cfg = nnx.merge(self.graphdef, self.params).cfg
     page_size = self.engine.page_size
     layouts = [(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)]
-    if self.drafter is not None and self.drafter.page_layout(self.drafter_params) is not None:
+    if self.pages_drafter():
       layouts.append(self.drafter.page_layout(self.drafter_params))
     page_bytes = sum(paging.bytes_per_page(layers, hkv, dh, page_size, dtype)
                      / self.kv_head_split(hkv) for layers, hkv, dh, dtype in layouts)
@@ -313,6 +313,19 @@ class _Run:
     axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
     return math.prod(self.mesh.shape[a] for a in axes)
 
+  def pages_drafter(self) -> bool:
+    """A paged run keeps the drafter's KV cache on pages too (`Drafter.page_layout`)."""
+    return self.drafter is not None and \
+        self.drafter.page_layout(self.drafter_params) is not None
+
+  def shared_prefix(self, prompt_len: int, group: int) -> int:
+    """Positions whose pages a GRPO group's samples share: the prompt's, less its last one when
+    a paged drafter writes there a value of each sample's own (EAGLE-3 pairs the prompt's last
+    state with the sample's first token); 0 without groups."""
+    if group <= 1:
+      return 0
+    return prompt_len - 1 if self.pages_drafter() else prompt_len
+
   def first_admission(self, pages: paging.SlotPages, prompt_lengths: np.ndarray,
                       group: int) -> np.ndarray:
     """Whole prompt groups of the first `len(prompt_lengths)` rows (row i in slot i) take pages
@@ -324,7 +337,7 @@ class _Run:
       if pages.replica_of(first) in full:
         continue
       if not pages.admit(rows, prompt_lengths[rows] + 1, self.k_max,
-                         int(prompt_lengths[first]) if group > 1 else 0):
+                         self.shared_prefix(int(prompt_lengths[first]), group)):
         full.add(pages.replica_of(first))
         continue
       admitted[rows] = True
@@ -341,8 +354,8 @@ class _Run:
     pool = PagedKV.create(len(dense.k), pages.num_pages, pages.page_size, slots,
                           pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=self.mesh)
     draft_pool = None
-    if self.drafter is not None and self.drafter.page_layout(self.drafter_params) is not None:
-      draft = state.drafter_state  # (the dense prompt-wide cache the prefill made)
+    if self.pages_drafter():
+      draft = paging.drafter_cache(state.drafter_state)  # (dense, prompt-wide: the prefill's)
       _, d_hkv, d_dh, _ = draft.k[0].shape
       draft_pool = PagedKV.create(len(draft.k), pages.num_pages, pages.page_size, slots,
                                   pages.max_pages, d_hkv, d_dh, draft.k[0].dtype, mesh=self.mesh)
@@ -435,7 +448,8 @@ class _Run:
         slots_in = next((sl[:group] for sl in sorted(by_replica.values(), key=len, reverse=True)
                          if len(sl) >= group and pages.admit(
                              sl[:group], host_lengths[group_rows] + 1, self.k_max,
-                             int(host_lengths[group_rows[0]]) if group > 1 else 0)), None)
+                             self.shared_prefix(int(host_lengths[group_rows[0]]), group))),
+                        None)
         if slots_in is None:
           break
         into += slots_in

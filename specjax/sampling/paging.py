@@ -61,17 +61,27 @@ def kv_cache_gb_for(fraction: float, device=None, field: str = "kv_cache_fractio
 
 # -- device side ----------------------------------------------------------------------------------
 
+def _is_cache(x) -> bool:
+  return isinstance(x, (KVCache, PagedKV))
+
+
 def pools(state: EngineState) -> tuple[PagedKV, ...]:
   """The state's page pools: the target's, then the drafter's when its cache is paged too (it
   shares the target's page table: a page id names a target page and a drafter page)."""
-  return (state.cache,) + ((state.drafter_state,) if isinstance(state.drafter_state, PagedKV)
-                           else ())
+  return tuple(x for x in jax.tree.leaves(state, is_leaf=_is_cache) if isinstance(x, PagedKV))
 
 
 def with_pools(state: EngineState, new: tuple[PagedKV, ...]) -> EngineState:
   """`state` with its pools (as `pools` lists them) replaced."""
-  state = state.replace(cache=new[0])
-  return state.replace(drafter_state=new[1]) if len(new) > 1 else state
+  leaves, tree = jax.tree.flatten(state, is_leaf=_is_cache)
+  new = iter(new)
+  return jax.tree.unflatten(tree, [next(new) if isinstance(x, PagedKV) else x for x in leaves])
+
+
+def drafter_cache(drafter_state) -> KVCache | PagedKV:
+  """The one KV cache in a drafter's state whose cache pages (`Drafter.page_layout`)."""
+  [cache] = [x for x in jax.tree.leaves(drafter_state, is_leaf=_is_cache) if _is_cache(x)]
+  return cache
 
 
 def _into_pages(dense: KVCache, pool: PagedKV, table: jax.Array) -> PagedKV:
@@ -92,7 +102,9 @@ def to_paged(state: EngineState, pool: PagedKV, table: jax.Array,
   `draft_pool`, through the same table)."""
   state = state.replace(cache=_into_pages(state.cache, pool, table))
   if draft_pool is not None:
-    state = state.replace(drafter_state=_into_pages(state.drafter_state, draft_pool, table))
+    state = state.replace(drafter_state=jax.tree.map(
+        lambda x: _into_pages(x, draft_pool, table) if isinstance(x, KVCache) else x,
+        state.drafter_state, is_leaf=_is_cache))
   return state
 
 
