@@ -171,22 +171,36 @@ def test_random_length_mixes_keep_pages_consistent(target, page_checks, seed):
 
 
 @pytest.mark.parametrize("num_pages", [400, 30])
-def test_a_groups_samples_share_their_prompt_pages(target, page_checks, num_pages):
+def test_a_groups_samples_share_their_prompt_pages(target, page_checks, num_pages, monkeypatch):
   """GRPO groups (4 samples of each of 6 prompts): the samples of a group share its full prompt
   pages, so the same rows take fewer pages, and every row emits what the plain loop emits (30
-  pages: rows also wait and are swapped out, shared pages included)."""
+  pages: rows also wait and are swapped out, shared pages included). Refills of 2 slots admit a
+  group's samples in parts: a later sample shares the pages a sibling still holds."""
   prompts = jnp.repeat(PROMPTS[:6] % 31 + 1, 4, axis=0)
   lengths = jnp.repeat(jnp.asarray([6, 5, 4, 6, 3, 6], jnp.int32), 4)
   plain = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
+  admitted = []  # (sharing a sibling's pages, admitted) per queued row
+  real = paging.SlotPages.admit_row
+
+  def admit_row(self, slot, seq_len, draft_len, share_from=None, prefix=0):
+    ok = real(self, slot, seq_len, draft_len, share_from, prefix)
+    admitted.append((share_from is not None, ok))
+    return ok
+
+  monkeypatch.setattr(paging.SlotPages, "admit_row", admit_row)
   first_visit = {}
   for share in (True, False):
     page_checks.clear()
+    admitted.clear()
     out = generate(target, prompts, lengths, jax.random.key(0), GREEDY,
                    engine=paged(num_pages, share_prefill=share))
     assert_same_rollout(out, plain)
     first_visit[share] = page_checks[0]
     if num_pages == 30:
       assert sum(s.swapped_out for s in out.segments) > 0
+    # (8 rows start in the slots; the other 16 come 2 at a time)
+    assert sum(ok for _, ok in admitted) == 16
+    assert any(shared and ok for shared, ok in admitted) == share
   (rows_shared, pages_shared), (rows_alone, pages_alone) = first_visit[True], first_visit[False]
   if num_pages == 400:  # the same rows at the first visit, in fewer pages
     assert rows_shared == rows_alone == 8
@@ -279,8 +293,10 @@ def test_a_drafter_on_pages_drafts_as_on_its_dense_cache(target, kind):
 
 
 def test_after_the_first_paged_rollout_nothing_compiles(target):
-  """(14 pages: rows wait and are swapped out, so swapping's copies run too.)"""
-  assert_nothing_compiles_after_the_first_rollout(target, paged(14, adaptive=False), rounds=2)
+  """(14 pages: rows wait and are swapped out, so swapping's copies run too, at whichever bucket;
+  compile_ahead: by default a later rollout may reach a bucket the first did not.)"""
+  assert_nothing_compiles_after_the_first_rollout(
+      target, paged(14, adaptive=False, compile_ahead=True), rounds=2)
 
 
 # -- the KV budget as a share of device memory ----------------------------------------------------

@@ -138,11 +138,9 @@ def test_queue_slots_are_whole_groups_over_the_data_parallel_size():
   assert queue_slots(64, 16, 1, 1, 0.125) == (16, 2, 2)
   # a refill of 2 slots; a prefill is at least one group, whose other samples wait prefilled
   assert queue_slots(64, 16, 4, 1, 0.125) == (16, 2, 4)
-  assert queue_slots(64, 16, 4, 1, 0.125, whole_groups=True) == (16, 4, 4)  # paged
   # slots and prefills are groups on each data-parallel replica, refills whole rows per replica
   assert queue_slots(64, 18, 4, 2, 0.125) == (16, 2, 8)
   assert queue_slots(64, 3, 4, 2, 0.5) == (8, 4, 8)
-  assert queue_slots(64, 3, 4, 2, 0.5, whole_groups=True) == (8, 8, 8)
   with pytest.raises(ValueError, match="EngineConfig.max_rows"):
     EngineConfig(max_rows=-1)
   with pytest.raises(ValueError, match="EngineConfig.refill_fraction"):

@@ -87,15 +87,14 @@ def window_for(longest: int, draft_len: int, block: int, cache_size: int) -> int
   return 0 if w >= cache_size else w
 
 
-def queue_slots(batch: int, max_rows: int, group: int, dp: int, refill_fraction: float,
-                whole_groups: bool = False) -> tuple[int, int, int]:
+def queue_slots(batch: int, max_rows: int, group: int, dp: int,
+                refill_fraction: float) -> tuple[int, int, int]:
   """(slots, refill, prefill): rows stepped at once, free slots that make a segment return and
   are then filled (`refill_fraction` of the slots, rounded up to the data-parallel size), and
   rows prefilled at once (whole prompt groups spread evenly over the data-parallel size: at least
   `refill`, `group * dp` at a time). A group's samples that find no free slot yet wait
-  prefilled for the next ones. `whole_groups`: a refill is whole prompt groups too (a paged run,
-  whose groups share their prompt pages). No queue (every count the batch) when `max_rows` is 0
-  or holds the batch."""
+  prefilled for the next ones. No queue (every count the batch) when `max_rows` is 0 or holds
+  the batch."""
   unit = group * dp
   if not max_rows or max_rows >= batch:
     return batch, batch, batch
@@ -104,5 +103,5 @@ def queue_slots(batch: int, max_rows: int, group: int, dp: int, refill_fraction:
     return batch, batch, batch
   wanted = int(math.ceil(slots * refill_fraction))
   prefill = min(-(-wanted // unit) * unit, slots)
-  refill = prefill if whole_groups else min(-(-wanted // dp) * dp, slots)
+  refill = min(-(-wanted // dp) * dp, slots)
   return slots, refill, prefill

@@ -118,7 +118,7 @@ class ProgramCount:
 
   NAMES = frozenset(f"jit({name})" for name in (  # the engine's programs, as XLA names them
       "init_state", "run_segment", "take_rows", "_summary", "_write_back", "_harvest", "_admit",
-      "start_paged", "admit_paged", "read_pages", "write_pages"))
+      "start_paged", "admit_paged", "_read_pages", "_write_pages"))
 
   def __init__(self):
     self.count = 0
@@ -381,7 +381,7 @@ class _Run:
       holds = self.first_admission(self.page_pool(len(host_lengths)), host_lengths, group)
       max_rows = max(int(holds.sum()), 1) * dp
     slots, refill, prefill_rows = queue_slots(batch, max_rows, group, dp,
-                                              self.engine.refill_fraction, whole_groups=paged)
+                                              self.engine.refill_fraction)
     compact = self.engine.compaction and queue_ok
     buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
         if compact else bucket_sizes(slots, dp, slots)
@@ -395,81 +395,18 @@ class _Run:
                       logprobs=jnp.zeros((batch, width), jnp.float32),
                       lengths=jnp.zeros((batch,), jnp.int32),
                       counts=AcceptanceCounts.zeros(state.counts.draft_len, batch))
-    queue = np.arange(slots, batch)  # the caller's rows still waiting (not prefilled), in order
-    # a prefill's rows that found no free slot yet: (its state, the caller's rows, -1 for
-    # padding past the queue's end; which of them still wait)
-    pending = None
+    rows = np.arange(slots, batch)  # the caller's rows still waiting (not prefilled), in order
     pages = None
     if paged:
       state, pages, unplaced = self.start_pages(state, host_lengths, group)
-      queue = np.concatenate([unplaced, queue]).astype(np.int64)
-    admissions, swaps_before = 0, 0
-
-    def waiting() -> int:
-      return len(queue) + (0 if pending is None else int(pending[2].sum()))
-
-    def admit(state, free_slots):
-      """The next `refill` waiting rows into free slots: (state, the slots they took). Dense:
-      from the pending prefill, or from a prefill of the next `prefill_rows` (padded past the
-      queue's end) when none is pending. Paged: a prefill of the whole prompt groups the free
-      pages hold (None: not one), each group's samples in free slots of one data-parallel
-      replica (they share their prompt pages, which lie on it), the replica with most free
-      slots first."""
-      nonlocal queue, admissions, pending
-      if not paged:
-        if pending is None:
-          rows = queue[:prefill_rows]
-          queue = queue[len(rows):]
-          ids = np.concatenate([rows, np.full(prefill_rows - len(rows), -1)]).astype(np.int32)
-          take = np.where(ids >= 0, ids, rows[-1])
-          admissions += 1
-          pending = (self.prefill(prompts[take], prompt_lengths[take],
-                                  jax.random.fold_in(key_prefill, admissions), group),
-                     ids, ids >= 0)
-        new, ids, wait = pending
-        now = np.flatnonzero(wait)[:min(refill, len(free_slots))]
-        into = np.zeros(prefill_rows, np.int32)
-        into[now] = free_slots[:len(now)]
-        row_ids = np.full(prefill_rows, -1, np.int32)
-        row_ids[now] = ids[now]
-        wait[now] = False
-        if not wait.any():
-          pending = None
-        return (_admit(state, new, jnp.asarray(into), jnp.asarray(row_ids)),
-                free_slots[:len(now)])
-      rows = queue[:refill]
-      free = list(free_slots)
-      into = []
-      while len(into) < len(rows):
-        group_rows = rows[len(into):len(into) + group]
-        by_replica = {}
-        for slot in free:
-          by_replica.setdefault(pages.replica_of(slot), []).append(slot)
-        slots_in = next((sl[:group] for sl in sorted(by_replica.values(), key=len, reverse=True)
-                         if len(sl) >= group and pages.admit(
-                             sl[:group], host_lengths[group_rows] + 1, self.k_max,
-                             self.shared_prefix(int(host_lengths[group_rows[0]]), group))),
-                        None)
-        if slots_in is None:
-          break
-        into += slots_in
-        free = [slot for slot in free if slot not in slots_in]
-      if not into:
-        return None
-      rows = rows[:len(into)]
-      queue = queue[len(rows):]
-      take = np.concatenate([rows, np.full(refill - len(rows), rows[-1])]).astype(np.int32)
-      ids = np.concatenate([rows, np.full(refill - len(rows), -1)]).astype(np.int32)
-      into = np.concatenate([into, np.zeros(refill - len(into))]).astype(np.int32)
-      admissions += 1
-      new = self.prefill(prompts[take], prompt_lengths[take],
-                         jax.random.fold_in(key_prefill, admissions), group)
-      table = jnp.asarray(pages.table(into, ids))
-      return (paging.admit_paged(state, new, jnp.asarray(into), jnp.asarray(ids), table),
-              into[:len(rows)])
+      rows = np.concatenate([unplaced, rows]).astype(np.int64)
+    queue = _Queue(self, rows, prompts, prompt_lengths, key_prefill, group, prefill_rows, refill,
+                   pages, host_lengths)
+    waiting, admit = queue.waiting, queue.admit
+    swaps_before = 0
 
     queue_jobs = ()
-    if len(queue):  # the admission programs compile with the others (compiled, not run: a
+    if waiting():  # the admission programs compile with the others (compiled, not run: a
       # harvest and an admission take the state they update)
       probe_rows = jnp.arange(prefill_rows, dtype=jnp.int32)
 
@@ -608,6 +545,93 @@ class _Run:
                                                  homes, self.k_max))
     # (from the host table: each pool gets its own buffer, so a segment may donate both)
     return with_page_table(state, pages.table(homes, row_ids))
+
+
+class _Queue:
+  """The caller's rows that wait for a slot: those not yet prefilled, in order, and the rows of
+  one prefill (whole prompt groups, `prefill_rows`, padded past the queue's end) that found no
+  free slot yet, held prefilled on the device. `admit` moves up to `refill` of them into free
+  slots; a group's samples may take slots in different refills, each prefill done once. A
+  paged run gives each admitted row its pages: a sample shares its prompt's pages with a
+  sibling that still holds them on the same data-parallel replica, else it takes its own (the
+  admission writes its prompt's KV through its own page table either way)."""
+
+  def __init__(self, run: _Run, rows: np.ndarray, prompts, prompt_lengths, key, group: int,
+               prefill_rows: int, refill: int, pages: paging.SlotPages | None,
+               host_lengths: np.ndarray | None):
+    self.run, self.rows = run, rows
+    self.prompts, self.prompt_lengths, self.key = prompts, prompt_lengths, key
+    self.group, self.prefill_rows, self.refill = group, prefill_rows, refill
+    self.pages, self.host_lengths = pages, host_lengths
+    # (its state, the caller's rows, -1 for padding; which of them still wait)
+    self.pending: tuple | None = None
+    self.prefills = 0
+    self.owner: dict[int, tuple] = {}  # slot -> (prefill, group) of the row admitted there
+    self.holders: dict[tuple, list[int]] = {}  # (prefill, group) -> slots admitted for it
+
+  def waiting(self) -> int:
+    return len(self.rows) + (0 if self.pending is None else int(self.pending[2].sum()))
+
+  def admit(self, state: EngineState, free: np.ndarray):
+    """Up to `refill` waiting rows into the `free` slots, in queue order: (state, the slots they
+    took), or None when a paged run has pages for none of them."""
+    if self.pending is None:
+      rows = self.rows[:self.prefill_rows]
+      self.rows = self.rows[len(rows):]
+      ids = np.concatenate([rows, np.full(self.prefill_rows - len(rows), -1)]).astype(np.int32)
+      take = np.where(ids >= 0, ids, rows[-1])
+      self.prefills += 1
+      self.pending = (self.run.prefill(self.prompts[take], self.prompt_lengths[take],
+                                       jax.random.fold_in(self.key, self.prefills), self.group),
+                      ids, ids >= 0)
+    new, ids, wait = self.pending
+    into = np.zeros(self.prefill_rows, np.int32)
+    row_ids = np.full(self.prefill_rows, -1, np.int32)
+    free, taken = list(free), []
+    for i in np.flatnonzero(wait):
+      if len(taken) == self.refill or not free:
+        break
+      slot = free[0] if self.pages is None else self._place(i, int(ids[i]), free)
+      if slot is None:  # no pages: the rest wait too (queue order)
+        break
+      free.remove(slot)
+      into[i], row_ids[i], wait[i] = slot, ids[i], False
+      taken.append(slot)
+    if not taken:
+      return None
+    if not wait.any():
+      self.pending = None
+    if self.pages is None:
+      return _admit(state, new, jnp.asarray(into), jnp.asarray(row_ids)), np.asarray(taken)
+    table = jnp.asarray(self.pages.table(into, row_ids))
+    return (paging.admit_paged(state, new, jnp.asarray(into), jnp.asarray(row_ids), table),
+            np.asarray(taken))
+
+  def _place(self, i: int, row: int, free: list[int]) -> int | None:
+    """A free slot whose replica gives pending row `i` (the caller's `row`) its pages: beside a
+    sibling that holds the group's prompt pages (shared), else the replica with the most free
+    slots that has pages. None: no replica has them."""
+    pages, key = self.pages, (self.prefills, i // self.group)
+    seq_len = int(self.host_lengths[row]) + 1
+    prefix = self.run.shared_prefix(int(self.host_lengths[row]), self.group)
+    siblings = [s for s in self.holders.get(key, ())
+                if self.owner.get(s) == key and s in pages and s not in free]
+    by_replica = {}
+    for slot in free:
+      by_replica.setdefault(pages.replica_of(slot), []).append(slot)
+    if siblings and prefix:
+      near = by_replica.get(pages.replica_of(siblings[0]), [])
+      if near and pages.admit_row(near[0], seq_len, self.run.k_max, siblings[0], prefix):
+        return self._placed(near[0], key)
+    for slots in sorted(by_replica.values(), key=len, reverse=True):
+      if pages.admit_row(slots[0], seq_len, self.run.k_max):
+        return self._placed(slots[0], key)
+    return None
+
+  def _placed(self, slot: int, key: tuple) -> int:
+    self.owner[slot] = key
+    self.holders.setdefault(key, []).append(slot)
+    return slot
 
 
 def run_engine(graphdef, params, drafter: Drafter | None, drafter_params, prompts: jax.Array,

@@ -17,8 +17,7 @@ class EngineConfig:
   max_rows: int = 0
   # a segment returns to admit waiting rows once this fraction of the slots is free; rows are
   # prefilled in whole prompt groups (at least that many rows), and a group's samples that find
-  # no free slot wait prefilled (dense: their caches held meanwhile) for the next ones (paged:
-  # refills are whole groups, which share their prompt pages)
+  # no free slot wait prefilled (their prompt-wide caches held meanwhile) for the next ones
   refill_fraction: float = 0.125
   # the target's KV memory in GiB per device: > 0 pages it (rows take pages of page_size
   # positions as they grow, `paging.py`) and admits waiting rows while pages are free; on a mesh

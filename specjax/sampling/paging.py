@@ -130,22 +130,31 @@ def admit_paged(state: EngineState, new: EngineState, slots: jax.Array, row_ids:
 
 
 @jax.jit
-def read_pages(pools: tuple[PagedKV, ...], pages: jax.Array) -> tuple:
-  """((k, v) of `pages` in every pool)."""
-  def one(pool):
-    idx = jnp.clip(pages, 0, pool.num_pages - 1)
-    return pool.k[:, :, idx], pool.v[:, :, idx]
-  return tuple(one(pool) for pool in pools)
+def _read_pages(buffers: tuple, pages: jax.Array) -> tuple:
+  def one(k, v):
+    idx = jnp.clip(pages, 0, k.shape[2] - 1)
+    return k[:, :, idx], v[:, :, idx]
+  return tuple(one(k, v) for k, v in buffers)
 
 
 @jax.jit
+def _write_pages(buffers: tuple, pages: jax.Array, values: tuple) -> tuple:
+  def one(k, v, new_k, new_v):
+    idx = jnp.where((pages >= 0) & (pages < k.shape[2]), pages, k.shape[2])
+    return k.at[:, :, idx].set(new_k, mode="drop"), v.at[:, :, idx].set(new_v, mode="drop")
+  return tuple(one(k, v, *new) for (k, v), new in zip(buffers, values))
+
+
+def read_pages(pools: tuple[PagedKV, ...], pages: jax.Array) -> tuple:
+  """((k, v) of `pages` in every pool). One program whatever the pools' page tables (a
+  compacted bucket's are smaller): only the page buffers go in."""
+  return _read_pages(tuple((p.k, p.v) for p in pools), pages)
+
+
 def write_pages(pools: tuple[PagedKV, ...], pages: jax.Array, kv: tuple) -> tuple[PagedKV, ...]:
   """`read_pages`' values back into `pages` of every pool."""
-  def one(pool, k, v):
-    idx = jnp.where((pages >= 0) & (pages < pool.num_pages), pages, pool.num_pages)
-    return pool.replace(k=pool.k.at[:, :, idx].set(k, mode="drop"),
-                        v=pool.v.at[:, :, idx].set(v, mode="drop"))
-  return tuple(one(pool, k, v) for pool, (k, v) in zip(pools, kv))
+  new = _write_pages(tuple((p.k, p.v) for p in pools), pages, kv)
+  return tuple(p.replace(k=k, v=v) for p, (k, v) in zip(pools, new))
 
 
 def _padded(pages, width: int) -> jax.Array:
@@ -209,6 +218,27 @@ class ReplicaPages:
       for t in taken:
         self.alloc.release(t)
     return ok
+
+  def admit_row(self, slot: int, seq_len: int, draft_len: int, share_from: int | None = None,
+                prefix: int = 0) -> bool:
+    """Take pages for a new row in the free `slot` (pages a finished row there still holds come
+    back first): its own, or with `share_from` (the slot of a row of the same prompt that holds
+    them) the full pages of the first `prefix` positions shared and a private page for a partly
+    filled last one, as `admit` gives a group's later samples. False: nothing taken."""
+    slot = int(slot)
+    if slot in self.alloc:
+      self.alloc.release(slot)
+    if self.waiting:
+      return False
+    want = self.tokens_for(seq_len, draft_len)
+    if share_from is None or not prefix:
+      return self.alloc.admit(slot, want)
+    if self.alloc.share_prefix(int(share_from), [slot], prefix) is None:
+      return False
+    if not self.alloc.grow(slot, want):
+      self.alloc.release(slot)
+      return False
+    return True
 
   def table(self, homes, row_ids) -> np.ndarray:
     """int32[len(homes), max_pages]: the pages of each bucket row's home slot; NO_PAGE for
@@ -337,9 +367,12 @@ class SlotPages:
                        f"together must be on one replica")
     return self.replicas[owners.pop()].admit(slots, seq_lens, draft_len, prompt_len)
 
-  def blocked(self, slot: int) -> bool:
-    """The replica of `slot` admits no row now (one of its admitted rows waits for pages)."""
-    return self._of(slot).waiting
+  def admit_row(self, slot: int, seq_len: int, draft_len: int, share_from: int | None = None,
+                prefix: int = 0) -> bool:
+    """`ReplicaPages.admit_row` on the replica of `slot` (`share_from` must be on it too)."""
+    if share_from is not None and self.replica_of(share_from) != self.replica_of(slot):
+      raise ValueError(f"slot {slot} and share_from {share_from} lie on different replicas")
+    return self._of(slot).admit_row(slot, seq_len, draft_len, share_from, prefix)
 
   def table(self, homes, row_ids) -> np.ndarray:
     """int32[len(homes), max_pages]: the (global) pages of each bucket row's home slot; NO_PAGE
