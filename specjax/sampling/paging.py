@@ -197,27 +197,15 @@ class ReplicaPages:
     row writes only at positions >= its length) and take a private page for the partly filled
     last one. The prefill's copy into pages writes every row's prompt through its own table, so
     the private page gets its row's copy and the shared pages the group's (identical) values."""
-    for slot in slots:
-      if int(slot) in self.alloc:
-        self.alloc.release(int(slot))
-    taken, ok = [], not self.waiting
+    taken = []
     for slot, n in zip(slots, seq_lens):
-      if not ok:
-        break
-      slot, want = int(slot), self.tokens_for(int(n), draft_len)
-      if taken and prompt_len:
-        ok = self.alloc.share_prefix(taken[0], [slot], prompt_len) is not None
-        if ok:
-          taken.append(slot)
-          ok = self.alloc.grow(slot, want)
-      else:
-        ok = self.alloc.admit(slot, want)
-        if ok:
-          taken.append(slot)
-    if not ok:
-      for t in taken:
-        self.alloc.release(t)
-    return ok
+      share = taken[0] if taken and prompt_len else None
+      if not self.admit_row(slot, int(n), draft_len, share, prompt_len):
+        for t in taken:
+          self.alloc.release(t)
+        return False
+      taken.append(int(slot))
+    return True
 
   def admit_row(self, slot: int, seq_len: int, draft_len: int, share_from: int | None = None,
                 prefix: int = 0) -> bool:
