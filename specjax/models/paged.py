@@ -209,7 +209,8 @@ def _write_on_replicas(mesh, pool_k, pool_v, k, v, page_table, start, layer):
   def local(pk, pv, k, v, table, start, layer):
     return write(pk, pv, k, v, _local_ids(table, pk.shape[2], axes), start, layer=layer)
 
-  return jax.shard_map(local, mesh=mesh, in_specs=(pool, pool, new, new, P(row[0], None), row, P()),
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(pool, pool, new, new, P(row[0], None), row, P()),
                        out_specs=(pool, pool), check_vma=False)(
       pool_k, pool_v, k, v, page_table, jnp.asarray(start, jnp.int32), layer)
 

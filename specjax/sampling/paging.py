@@ -22,7 +22,7 @@ import numpy as np
 from specjax.models.cache import KVCache
 from specjax.models.paged import NO_PAGE, PagedKV, write
 from specjax.sampling.pages import PADDING_ROW, PageAllocator
-from specjax.sampling.segment import EngineState, map_rows
+from specjax.sampling.segment import EngineState, is_cache, map_rows
 
 
 def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -61,26 +61,22 @@ def kv_cache_gb_for(fraction: float, device=None, field: str = "kv_cache_fractio
 
 # -- device side ----------------------------------------------------------------------------------
 
-def _is_cache(x) -> bool:
-  return isinstance(x, (KVCache, PagedKV))
-
-
 def pools(state: EngineState) -> tuple[PagedKV, ...]:
   """The state's page pools: the target's, then the drafter's when its cache is paged too (it
   shares the target's page table: a page id names a target page and a drafter page)."""
-  return tuple(x for x in jax.tree.leaves(state, is_leaf=_is_cache) if isinstance(x, PagedKV))
+  return tuple(x for x in jax.tree.leaves(state, is_leaf=is_cache) if isinstance(x, PagedKV))
 
 
 def with_pools(state: EngineState, new: tuple[PagedKV, ...]) -> EngineState:
   """`state` with its pools (as `pools` lists them) replaced."""
-  leaves, tree = jax.tree.flatten(state, is_leaf=_is_cache)
+  leaves, tree = jax.tree.flatten(state, is_leaf=is_cache)
   new = iter(new)
   return jax.tree.unflatten(tree, [next(new) if isinstance(x, PagedKV) else x for x in leaves])
 
 
 def drafter_cache(drafter_state) -> KVCache | PagedKV:
   """The one KV cache in a drafter's state whose cache pages (`Drafter.page_layout`)."""
-  [cache] = [x for x in jax.tree.leaves(drafter_state, is_leaf=_is_cache) if _is_cache(x)]
+  [cache] = [x for x in jax.tree.leaves(drafter_state, is_leaf=is_cache) if is_cache(x)]
   return cache
 
 
@@ -104,7 +100,7 @@ def to_paged(state: EngineState, pool: PagedKV, table: jax.Array,
   if draft_pool is not None:
     state = state.replace(drafter_state=jax.tree.map(
         lambda x: _into_pages(x, draft_pool, table) if isinstance(x, KVCache) else x,
-        state.drafter_state, is_leaf=_is_cache))
+        state.drafter_state, is_leaf=is_cache))
   return state
 
 
