@@ -25,8 +25,10 @@ untimed, then --repeats interleaved rounds):
 `--whole-cache-reads` makes every step's attention read its caches whole (in this process), for
 a side-by-side with the default, which reads only their live part. Tokens/s counts completion
 tokens; `rows.dense` / `rows.paged` are the rows each held at once
-(paged: the most live rows any segment started with, and the step-weighted mean). Prints a table, writes JSON (`arms.<arm>.tokens_per_s`,
-paired per-round ratios, the acceptance length and the K the engine chose). Asserts nothing.
+(paged: the most live rows any segment started with, and the step-weighted mean). Prints a
+table, writes JSON (`arms.<arm>.tokens_per_s`, paired per-round ratios, the acceptance length
+and the K the engine chose, the queue arms' refill thresholds (`refill_at`: segments by the free
+slots that made them return) and measured refill costs). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -73,6 +75,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--slots", type=int, default=None, help="32 (--quick: 16)")
   p.add_argument("--refill-fraction", type=float, default=EngineConfig.refill_fraction)
+  p.add_argument("--refill-from-costs", action=argparse.BooleanOptionalAction,
+                 default=EngineConfig.refill_from_costs,
+                 help="choose the free slots that make a segment refill from measured costs "
+                      "(else --refill-fraction throughout)")
   p.add_argument("--kv-budget-rows", type=int, default=None,
                  help="the dense and paged arms' KV budget, in dense rows (default: slots / 2)")
   p.add_argument("--paged-slots", type=int, default=None,
@@ -138,16 +144,18 @@ def main(argv=None) -> dict:
   tunings = collections.defaultdict(EngineTuning)
   # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
   # timed call compiles a bucket the untimed one did not reach
-  queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction, compile_ahead=True)
+  queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction,
+                       refill_from_costs=a.refill_from_costs, compile_ahead=True)
   plain = EngineConfig(compile_ahead=True)
   # one KV budget: what `budget_rows` dense rows take (AR: prompt + max_new positions each)
   budget_rows = a.kv_budget_rows or max(a.slots // 2, a.group)
   token_bytes = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 4
   budget_gb = budget_rows * (prompts.shape[1] + a.max_new) * token_bytes / 2**30
   dense = EngineConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction,
-                       compile_ahead=True)
+                       refill_from_costs=a.refill_from_costs, compile_ahead=True)
   paged = EngineConfig(max_rows=a.paged_slots or 2 * a.slots,
-                       refill_fraction=a.refill_fraction, compile_ahead=True,
+                       refill_fraction=a.refill_fraction,
+                       refill_from_costs=a.refill_from_costs, compile_ahead=True,
                        kv_cache_gb=budget_gb, page_size=a.page_size, page_ahead=a.page_ahead)
 
   def waves(i: int, spec: bool):
@@ -209,6 +217,15 @@ def main(argv=None) -> dict:
         for s in o.segments:
           steps[s.draft_len] += s.iterations
       rec["steps_by_k"] = {int(k): int(v) for k, v in sorted(steps.items())}
+    if name in ("continuous", "continuous_spec", "dense", "paged"):
+      # the free slots that made each segment return to refill (chosen from measured costs),
+      # and those costs: fixed seconds per refill, prefill seconds per row
+      at = collections.Counter(s.refill_at for o in last[name] for s in o.segments if s.refill_at)
+      rec["refill_at"] = {int(k): int(v) for k, v in sorted(at.items())}
+      rec["refill_costs"] = [{"fixed_s": c["segment_s"], "prefill_s": c["step_s"],
+                              "prefill_rows": int(c["key"].split("/")[-2])}
+                             for c in tunings[name].to_json()["costs"]
+                             if c["key"].endswith("/-1")]
     if name in ("dense", "paged"):
       segs = [s for o in last[name] for s in o.segments]
       steps = sum(s.iterations for s in segs)
@@ -229,11 +246,12 @@ def main(argv=None) -> dict:
             "continuous_spec/continuous": ratio("continuous_spec", "continuous"),
             "waves_spec/waves": ratio("waves_spec", "waves"),
             "paged/dense": ratio("paged", "dense")}
-  log(f"\n{'arm':>16} {'tokens/s':>9} {'first s':>8} {'segments':>9} {'acc len':>8}  steps by K")
+  log(f"\n{'arm':>16} {'tokens/s':>9} {'first s':>8} {'segments':>9} {'acc len':>8}  "
+      f"steps by K / segments by refill threshold")
   for name, r in arms.items():
     acc = f"{r['acceptance_length']:8.2f}" if "acceptance_length" in r else f"{'':>8}"
     log(f"{name:>16} {r['tokens_per_s']:9.0f} {r['first_call_s']:8.1f} {r['segments']:9d} {acc}  "
-        f"{r.get('steps_by_k', '')}")
+        f"{r.get('steps_by_k', '')} {r.get('refill_at', '')}")
   for k, v in ratios.items():
     if v is not None:
       log(f"{k:>28}: {v:.2f}x (median of paired rounds)")

@@ -16,6 +16,7 @@ from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
                               speculative_generate)
 from specjax.sampling import engine as eng
+from specjax.sampling.adaptive import RefillPolicy, best_refill
 from specjax.sampling.buckets import queue_slots
 from specjax.sampling.metrics import AcceptanceMetrics
 from specjax.sampling.paging import bytes_per_page
@@ -123,9 +124,11 @@ def test_queue_prefills_whole_groups_and_shares_their_prefill(target):
   prompts = jnp.repeat(PROMPTS[:6], 4, axis=0)
   lengths = jnp.repeat(PROMPT_LENGTHS[:6], 4)
   cfg = dataclasses.replace(GREEDY, temperature=1.0)
-  # (refills of 4 rows either way, so both runs admit at the same steps and draw the same keys)
+  # (refills of 4 rows either way, not chosen from timings, so both runs admit at the same
+  # steps and draw the same keys)
   run = lambda share: generate(target, prompts, lengths, jax.random.key(3), cfg,
                                engine=EngineConfig(max_rows=8, refill_fraction=0.5,
+                                                   refill_from_costs=False,
                                                    share_prefill=share))
   assert queue_slots(24, 8, 4, 1, 0.5) == queue_slots(24, 8, 1, 1, 0.5) == (8, 4, 4)
   assert_same_rollout(run(True), run(False))
@@ -162,7 +165,8 @@ def test_a_groups_samples_take_slots_as_they_free_from_one_prefill(target, monke
     return real(graphdef, params, drafter, drafter_params, prompts, *args, **kwargs)
 
   monkeypatch.setattr(eng, "_init_jit", counted)
-  engine = EngineConfig(max_rows=8, refill_fraction=0.25)
+  # (refills of 2 throughout: none chosen from costs, whose timing would prefill too)
+  engine = EngineConfig(max_rows=8, refill_fraction=0.25, refill_from_costs=False)
   assert queue_slots(24, 8, 4, 1, 0.25) == (8, 2, 4)
   out = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=engine)
   assert_same_rollout(out, static)
@@ -171,6 +175,47 @@ def test_a_groups_samples_take_slots_as_they_free_from_one_prefill(target, monke
   assert prefilled == [8, 4, 4, 4, 4, 4]
   # the slots were refilled 2 at a time: the first segment returned with 2 slots free
   assert out.segments[0].live_rows_start == 8 and len(out.segments) > 4
+
+
+def test_best_refill_weighs_a_refills_cost_against_idle_slots():
+  # (threshold, busy share of the slots): 32 slots, 10 ms steps, a row ends every 4 steps
+  cheap, _ = best_refill(32, 1, 0.010, 0.25, 0.0001, 0.0005)
+  dear, busy = best_refill(32, 1, 0.010, 0.25, 0.5, 0.0005)
+  assert cheap == 1 and 8 < dear < 32 and busy == pytest.approx(1 - dear / 64)
+  # (the threshold grows with the refill's fixed cost, and is a multiple of the unit)
+  steps = [best_refill(32, 2, 0.010, 0.25, r, 0.0005)[0] for r in (0.01, 0.05, 0.2, 1.0)]
+  assert steps == sorted(steps) and all(f % 2 == 0 for f in steps) and steps[0] < steps[-1]
+  assert best_refill(32, 4, 0.010, 0.0, 1.0, 0.0)[0] == 4  # no finishes seen: the smallest
+  policy = RefillPolicy(32, 1, first=4)
+  assert policy.threshold(0.010) == 4  # costs unknown
+  policy.costs = (0.5, 0.0005)
+  assert policy.threshold(0.010) == 4  # no row has finished yet
+  policy.observe(finished=8, steps=32)
+  assert policy.threshold(0.010) == dear
+
+
+def test_refills_chosen_from_measured_costs_keep_the_rollout_and_one_seed_gives_one(target,
+                                                                                   static_ar):
+  """By default the free slots that make a segment return come from the refill's cost, timed
+  once (kept in the tuning under K = -1, out of the step-cost table) and the rate rows finish.
+  Greedy: the plain loop's rollout. Temperature 1: with the stored costs, a seed's second run is
+  its first, token for token."""
+  tuning = EngineTuning()
+  engine = EngineConfig(max_rows=8)
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=engine,
+                 tuning=tuning)
+  assert_same_rollout(out, static_ar)
+  refills = [c for c in tuning.to_json()["costs"] if c["key"].endswith("/-1")]
+  assert len(refills) == 1 and refills[0]["step_s"] > 0
+  assert all(r["draft_len"] >= 0 for r in tuning.calibration_table())
+  assert {s.refill_at for s in out.segments} - {0} <= set(range(1, 9))
+  assert out.segments[0].refill_at == 1  # refill_fraction's: no row had finished yet
+  sampled = dataclasses.replace(GREEDY, temperature=1.0)
+  run = lambda: generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(7), sampled,
+                         engine=engine, tuning=tuning)
+  first, second = run(), run()
+  assert_same_rollout(first, second)
+  assert [s.refill_at for s in first.segments] == [s.refill_at for s in second.segments]
 
 
 def assert_nothing_compiles_after_the_first_rollout(target, engine: EngineConfig, rounds: int):

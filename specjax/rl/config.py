@@ -99,9 +99,12 @@ class RolloutConfig:
   # bucket's when a rollout first reaches it, a faster first rollout
   compile_ahead: bool = True
   # slots: rows generated at once (0: the whole step's rows); more rows queue and are admitted
-  # into the slots of finished ones, refill_fraction of the slots at a time
+  # into the slots of finished ones, refill_fraction of the slots at a time until rows have
+  # finished, then as many as measured costs make best (refill_from_costs; False: the fraction
+  # throughout)
   max_rows: int = _ENGINE.max_rows
   refill_fraction: float = _ENGINE.refill_fraction
+  refill_from_costs: bool = _ENGINE.refill_from_costs
   # the target's KV memory for the rollouts in GiB per device: > 0 pages it (rows hold pages for the tokens
   # they have; waiting rows are admitted while pages are free; with max_rows 0, the slots are
   # the rows the empty pool holds at once); 0: a dense max-length cache per slot

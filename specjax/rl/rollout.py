@@ -51,6 +51,7 @@ def engine_config(cfg: RLConfig, kv_cache_gb: float | None = None) -> EngineConf
   RolloutConfig.kv_cache_gb."""
   r, d = cfg.rollout, cfg.draft
   return EngineConfig(max_rows=r.max_rows, refill_fraction=r.refill_fraction,
+                      refill_from_costs=r.refill_from_costs,
                       kv_cache_gb=r.kv_cache_gb if kv_cache_gb is None else kv_cache_gb,
                       page_size=r.page_size,
                       compaction=r.compaction, min_bucket=r.min_bucket,

@@ -1,5 +1,6 @@
 """Adaptive draft length: running per-position acceptance estimates and the choice of K per
-segment from them and the measured step costs. Plain Python and numpy.
+segment from them and the measured step costs; and, for a queue, how many free slots make a
+segment return to refill them (`RefillPolicy`). Plain Python and numpy.
 
 Why: a verify of K+1 tokens is nearly free while the live batch is small (weight reads dominate)
 and costs K+1 steps once arithmetic dominates, so the best K moves with the live batch and with how
@@ -150,3 +151,51 @@ class DraftLenPolicy:
       # again, so a drafter that fails costs a few steps, not a segment
       return self.engine.probe_iters
     return min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
+
+
+def best_refill(slots: int, unit: int, step_s: float, finish_rate: float, refill_s: float,
+                row_s: float) -> tuple[int, float]:
+  """(free slots that should make a segment return to refill, the busy share of the slots it
+  gives). `slots` are stepped at `step_s` seconds per step whether busy or not; rows finish at
+  `finish_rate` per step; a refill of f rows costs `refill_s + f * row_s` seconds (the host
+  round trip and admission, and the rows' prefill).
+
+  Between refills the free slots grow from 0 to f in f / rate steps, so on average f / 2 slots
+  idle, and each step carries a share rate / f of one refill. Tokens per second then go as
+  (slots - f / 2) / (step_s + rate * (row_s + refill_s / f)): a refill's fixed cost argues for a
+  large f, the idle slots for a small one. The best f among the multiples of `unit` (the
+  data-parallel size, which admissions fill evenly) up to `slots`; with no finishes seen yet
+  (rate 0) the smallest."""
+  best, best_rate = unit, -1.0
+  for f in range(unit, max(slots, unit) + 1, unit):
+    rate = (slots - f / 2) / (step_s + finish_rate * (row_s + refill_s / f))
+    if rate > best_rate:
+      best, best_rate = f, rate
+  return best, (slots - best / 2) / slots
+
+
+class RefillPolicy:
+  """How many free slots make a queue's segment return to refill them, over one rollout: `first`
+  until the costs are known and rows have finished; then `best_refill` at the measured costs (a
+  step at the full bucket and the chosen K, a refill's fixed seconds and its prefill per row)
+  and the rate at which rows finish, a running count over the full bucket's segments (earlier
+  segments' weight `decay` per segment: the rate drifts as long rows accumulate). The counts come
+  from tokens already emitted and the costs from the stored calibration, so one seed gives one
+  trajectory, as with K."""
+
+  def __init__(self, slots: int, unit: int, first: int, decay: float = 0.7):
+    self.slots, self.unit, self.first, self.decay = slots, unit, first, decay
+    self.finished, self.steps = 0.0, 0.0
+    self.costs: tuple[float, float] | None = None  # (fixed s per refill, prefill s per row)
+
+  def observe(self, finished: int, steps: int) -> None:
+    """A full-bucket segment with rows waiting: `finished` rows ended in its `steps`."""
+    self.finished = self.decay * self.finished + finished
+    self.steps = self.decay * self.steps + steps
+
+  def threshold(self, step_s: float) -> int:
+    if self.costs is None or self.finished <= 0:
+      return self.first
+    refill_s, row_s = self.costs
+    return best_refill(self.slots, self.unit, step_s, self.finished / self.steps, refill_s,
+                       row_s)[0]

@@ -177,7 +177,9 @@ class CostTable:
   hashing a policy's graphdef costs ~0.3 ms (its digest ~2 ms, once per program).
 
   `cache`: the machine's `CostCache`; a cost not in the table is read from it, and one measured
-  here is written to it (the value already there wins)."""
+  here is written to it (the value already there wins). A queue's refill cost is kept the same
+  way under (program, rows prefilled at once, -1): seconds per prefill in place of a step's,
+  fixed seconds per refill (admission, the host round trip) in place of a segment's."""
 
   def __init__(self, cache: CostCache | None = None):
     self.cache = cache
@@ -244,6 +246,10 @@ class CostTable:
   def has(self, key: tuple) -> bool:
     return key in self._step
 
+  def fixed_cost(self, key: tuple) -> float:
+    """Fixed seconds per segment of `key` (measured with its step cost)."""
+    return self._segment[key]
+
   def line(self, key: tuple, lo: tuple, hi: tuple, frac: float) -> float:
     """Seconds per step of `key` once it has a cost of its own; until then the point at `frac`
     on the line through the costs of `lo` and `hi` (both measured): a verify step's cost grows
@@ -279,11 +285,12 @@ class CostTable:
     "from_line"}]: seconds per step the engine now uses (the startup calibration refined by the
     segments of later rollouts), the fixed seconds per segment, the startup figure, how many
     in-rollout steps refined it, and whether the startup figure came from `line` rather than a
-    timing."""
+    timing. (A queue's refill costs, kept under K = -1 with the prefill in place of the step,
+    are left out.)"""
     return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": self._segment.get(k),
              "calibrated_step_s": self._calibrated[k][0],
              "steps_measured": self._calibrated[k][1], "from_line": k in self._from_line}
-            for k, v in self._step.items()]
+            for k, v in self._step.items() if k[-1] >= 0]
 
   def to_json(self) -> list[dict]:
     """Every cost of the table (exact floats), for `load_json` in another process."""

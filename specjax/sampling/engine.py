@@ -26,7 +26,7 @@ from flax import nnx, struct
 
 from specjax.models.paged import PagedKV
 from specjax.sampling import paging
-from specjax.sampling.adaptive import DraftLenPolicy
+from specjax.sampling.adaptive import DraftLenPolicy, RefillPolicy
 from specjax.sampling.calibration import EngineTuning
 from specjax.sampling.core import Rollout, SamplingConfig, finish
 from specjax.sampling.buckets import (bucket_sizes, compaction, data_parallel_size,
@@ -382,6 +382,7 @@ class _Run:
       max_rows = max(int(holds.sum()), 1) * dp
     slots, refill, prefill_rows = queue_slots(batch, max_rows, group, dp,
                                               self.engine.refill_fraction)
+    refills = RefillPolicy(slots, dp, refill)
     compact = self.engine.compaction and queue_ok
     buckets = bucket_sizes(slots, dp, self.engine.min_bucket, self.engine.max_buckets) \
         if compact else bucket_sizes(slots, dp, slots)
@@ -423,6 +424,9 @@ class _Run:
       queue_jobs += (lambda: pages.compile_swaps(paging.pools(state)),)
     self.prepare_buckets(state, buckets if self.engine.compile_ahead else buckets[:1],
                          queue_jobs)
+    if waiting() and self.engine.refill_from_costs:
+      state, refills.costs = self.refill_costs(state, prompts, prompt_lengths, key_prefill, group,
+                                               prefill_rows, pages)
     out, bucket, total_steps = state, slots, 0
     per_bucket = {}  # bucket -> segments run there (grows the iteration budget)
     last_k = {}
@@ -434,6 +438,7 @@ class _Run:
       if paged:  # pages: finished rows give theirs back, live rows take more, swaps
         state = self.visit_pages(state, pages, summary)
       no_pages = False  # waiting rows found free slots but no pages
+      queue.refill = refill
       while waiting() and slots - live >= refill:  # admit waiting rows into free slots
         results, state = _harvest(results, state)
         # one read of the free slots per refill, not per admission
@@ -495,6 +500,12 @@ class _Run:
       state = box[0]
       if bucket == slots:  # (`out` held the state the dry runs took)
         out = state
+      refilling = waiting() > 0 and bucket == slots
+      if refilling and refills.costs is not None:  # (the step cost is measured by now)
+        refill = refills.threshold(self.cost(box, bucket, k, longest))
+        state = box[0]
+        if bucket == slots:
+          out = state
       if waiting():  # return once `refill` slots are free (or pages: once a row ends)
         stop_at_live = live - 1 if no_pages else slots - refill
       else:
@@ -514,6 +525,8 @@ class _Run:
       seconds = time.perf_counter() - t0
       iters = int(iters)
       total_steps += iters
+      if refilling:  # (rows ended in this segment: no row joins during one)
+        refills.observe(live - int(summary[0].sum()), iters)
       if k > 0:
         self.policy.estimate.add(k, float(drafts1 - drafts0),
                                  np.asarray(acc1 - acc0, np.float64))
@@ -526,7 +539,8 @@ class _Run:
                                    drafter_retired=self.policy.retired,
                                    pages_in_use=pages.pages_in_use if paged else 0,
                                    swapped_out=pages.swaps - swaps_before if paged else 0,
-                                   waiting_for_pages=paused_rows))
+                                   waiting_for_pages=paused_rows,
+                                   refill_at=refill if waiting() else 0))
       swaps_before = pages.swaps if paged else 0
     out = state if bucket == slots else _write_back(out, state)
     results, _ = _harvest(results, out)
@@ -536,6 +550,32 @@ class _Run:
     rollout = _finish_jit(prompts, prompt_lengths, results.tokens, results.logprobs,
                           results.lengths, self.cfg, jnp.int32(total_steps), stats)
     return rollout.replace(segments=tuple(self.segments))
+
+  def refill_costs(self, state: EngineState, prompts, prompt_lengths, key, group: int,
+                   prefill_rows: int, pages: paging.SlotPages | None):
+    """(state, (fixed seconds per refill, prefill seconds per row)) of this queue, measured as a
+    step cost is (`CostTable.step_cost`, kept under K = -1): a timed run of m prefills of
+    `prefill_rows` rows, an admission of none of them (every row id -1: the state is left as it
+    was) and the summary's round trip; the slope over m is a prefill's cost, the rest the
+    refill's fixed cost. (A refill's harvest, a scatter like the admission, is not timed.)"""
+    key_cost = (self.costs.program_id(("refill", self.graphdef, self.drafter, self.cfg,
+                                       self.cache_size, self.mesh, state.done.shape[0],
+                                       pages is not None)), prefill_rows, -1)
+    box = [state]
+    slots = jnp.arange(prefill_rows, dtype=jnp.int32)
+    none = jnp.full((prefill_rows,), -1, jnp.int32)
+    table = None if pages is None else jnp.full((prefill_rows, pages.max_pages), -1, jnp.int32)
+
+    def run(m: int) -> int:
+      for _ in range(m):
+        new = self.prefill(prompts[:prefill_rows], prompt_lengths[:prefill_rows], key, group)
+      box[0] = _admit(box[0], new, slots, none) if pages is None else \
+          paging.admit_paged(box[0], new, slots, none, table)
+      jax.device_get(_summary(box[0]))
+      return m
+
+    per_prefill = self.costs.step_cost(key_cost, run, 1, self.engine.calibration_repeats)
+    return box[0], (self.costs.fixed_cost(key_cost), per_prefill / prefill_rows)
 
   def visit_pages(self, state: EngineState, pages: paging.SlotPages, summary) -> EngineState:
     """`SlotPages.visit` between segments, then the state's page table brought up to date."""

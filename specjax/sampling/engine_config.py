@@ -19,6 +19,11 @@ class EngineConfig:
   # prefilled in whole prompt groups (at least that many rows), and a group's samples that find
   # no free slot wait prefilled (their prompt-wide caches held meanwhile) for the next ones
   refill_fraction: float = 0.125
+  # True: once rows have finished, the free slots that make a segment return are chosen from
+  # measured costs (a step, a refill's round trip and prefill, timed at startup) and the rate at
+  # which rows finish (`adaptive.best_refill`); refill_fraction then sets only the first refills
+  # and the rows prefilled at once. False: refill_fraction throughout
+  refill_from_costs: bool = True
   # the target's KV memory in GiB per device: > 0 pages it (rows take pages of page_size
   # positions as they grow, `paging.py`) and admits waiting rows while pages are free; on a mesh
   # each data-parallel replica holds its own pages; 0: a dense cache of the longest possible row
@@ -126,6 +131,7 @@ class Segment:
   pages_in_use: int = 0  # paged KV: pages held when the segment started (0: dense caches)
   swapped_out: int = 0  # paged KV: rows swapped out to host memory just before the segment
   waiting_for_pages: int = 0  # paged KV: live rows that started the segment without pages
+  refill_at: int = 0  # a queue: free slots that made the segment return to refill (0: none wait)
 
   @property
   def tokens_per_s(self) -> float:
