@@ -5,6 +5,7 @@ for or held by two rows, except the full prompt pages a GRPO group's samples sha
 writes."""
 
 import collections
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,7 @@ from test_queue import (CFG, GREEDY, PROMPT_LENGTHS, PROMPTS,
                         assert_nothing_compiles_after_the_first_rollout, assert_same_rollout)
 
 from specjax.drafters import (DraftModelDrafter, NgramDrafter, eagle3_drafter, identity_maps,
-                              init_head)
+                              init_head, mtp_drafter)
 from specjax.models import Decoder
 from specjax.models.paged import PagedKV
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, generate,
@@ -129,6 +130,17 @@ def test_greedy_paged_speculative_equals_the_plain_loop(target, static_ar, page_
   assert page_checks.drafter_paged == (kind != "ngram")
   if kind != "adaptive":
     assert all(s.draft_len == 3 for s in out.segments)
+
+
+def test_greedy_paged_mtp_equals_the_plain_loop(page_checks):
+  """The decoder's own MTP module as the drafter: its one-layer cache on the target's pages."""
+  model = Decoder(dataclasses.replace(CFG, mtp=True), rngs=nnx.Rngs(4))
+  static = generate(model, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=STATIC)
+  drafter, params = mtp_drafter(model, draft_len=3)
+  out = speculative_generate(model, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                             GREEDY, engine=paged(40))
+  assert_same_rollout(out, static)
+  assert page_checks.drafter_paged
 
 
 def test_paged_batch_without_a_queue_compacts_and_equals_the_plain_loop(target, static_ar,
@@ -263,13 +275,16 @@ def test_decoder_forward_over_pages_equals_the_dense_cache(target):
   np.testing.assert_allclose(a.logits, b.logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "draft_model"])
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model", "mtp"])
 def test_a_drafter_on_pages_drafts_as_on_its_dense_cache(target, kind):
   """The prompts prefilled and observed (dense, prompt-wide), moved onto scattered pages, then
   a K = 3 proposal at temperature 1: tokens and draft probabilities equal the dense cache's."""
   if kind == "eagle3":
     drafter, params = eagle3_drafter(init_head(CFG, seed=3), target.embed[...],
                                      identity_maps(CFG.vocab_size), draft_len=3)
+  elif kind == "mtp":  # (the target's own module: a target that has one)
+    target = Decoder(dataclasses.replace(CFG, mtp=True), rngs=nnx.Rngs(4))
+    drafter, params = mtp_drafter(target, draft_len=3)
   else:
     drafter, params = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(7)), 3)
   graphdef, tparams = nnx.split(target)

@@ -50,6 +50,9 @@ class MtpDrafter(ChainDrafter):
     c = self.model_cfg
     return c.num_kv_heads, c.head_dim, c.compute_dtype
 
+  def page_layout(self, params):
+    return (1,) + self.cache_spec()
+
   def hidden_size(self):
     return self.model_cfg.hidden_size
 

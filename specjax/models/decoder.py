@@ -155,7 +155,8 @@ class Decoder(nnx.Module):
                   cache: KVCache | None = None, positions: jax.Array | None = None,
                   compute_logits: bool = True) -> DecoderOutput:
     """MTP step: hidden[b, t] (decoder output at position t) and next_tokens[b, t] (token t+1)
-    -> logits for token t+2. `cache` is a one-layer KVCache of the MTP module."""
+    -> logits for token t+2. `cache` is a one-layer KVCache of the MTP module, or a one-layer
+    PagedKV pool read through a page table."""
     if self.mtp is None:
       raise ValueError("mtp_forward: this decoder has no MTP module (ModelConfig.mtp=False)")
     b, t = next_tokens.shape
@@ -166,6 +167,9 @@ class Decoder(nnx.Module):
     if cache is None:
       x, _ = self.mtp(emb, hidden, positions, mask)
       new_cache = None
+    elif isinstance(cache, PagedKV):  # (paged attention masks by position itself)
+      x, pool = self.mtp(emb, hidden, positions, None, cache.layer_view(0), cache.lengths)
+      new_cache = cache.replace(k=pool.k, v=pool.v)
     else:
       x, (k, v) = self.mtp(emb, hidden, positions, mask, (cache.k[0], cache.v[0]), cache.lengths,
                            cache.visible)

@@ -73,7 +73,7 @@ class Drafter:
     return True
 
   def page_layout(self, params: Any) -> tuple[int, int, int, Any] | None:
-    """(layers, kv heads, head dim, dtype) of the drafter's KV cache when its whole state is one
+    """(layers, kv heads, head dim, dtype) of the drafter's KV cache when its state holds one
     `KVCache` over the committed tokens (`init` makes it), which a paged engine then keeps on
     the target's pages: a pool of its own, the target's page table, so its memory grows with
     each row's tokens too. It must write only positions the target's next step writes or
