@@ -6,6 +6,7 @@ writes."""
 
 import collections
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -232,13 +233,33 @@ def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
     EngineConfig(page_size=0)
 
 
+def collective_sizes(hlo: str) -> list[int]:
+  """Elements of every collective's result in a compiled program's HLO text."""
+  shapes = re.findall(r"= \w+\[([\d,]*)\][^ ]* (?:all-gather|all-reduce|all-to-all|"
+                      r"collective-permute|reduce-scatter)(?:-start)?\(", hlo)
+  return [int(np.prod([int(d) for d in s.split(",") if d])) for s in shapes]
+
+
 @pytest.mark.parametrize("mesh_shape,num_pages", [((2, 1, 4), 14), ((4, 1, 2), 8)])
 def test_sharded_paged_queue_equals_one_device(target, static_ar, page_checks, mesh_shape,
-                                               num_pages):
+                                               num_pages, monkeypatch):
   """The pool split over the data-parallel replicas (`kv_cache_gb` per device: each replica
   holds `num_pages` pages), each replica's rows on its own pages; 14 pages per replica: rows
   wait and are swapped out; 8 (one row's worth) on 4 replicas: rows mostly run one at a time
-  per replica and compaction keeps each replica's rows on it."""
+  per replica and compaction keeps each replica's rows on it. An admission moves the new rows'
+  prompt KV between devices (GSPMD gathers a prefill's rows), never the pool."""
+  admissions = []
+  real = paging.admit_paged
+
+  class Recorded:
+    def __call__(self, *args):
+      admissions.append(args)
+      return real(*args)
+
+    def lower(self, *args):
+      return real.lower(*args)
+
+  monkeypatch.setattr(paging, "admit_paged", Recorded())
   mesh = make_mesh(MeshConfig(*mesh_shape))
   sharded = shard_model(nnx.clone(target), mesh)
   out = generate(sharded, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
@@ -247,6 +268,9 @@ def test_sharded_paged_queue_equals_one_device(target, static_ar, page_checks, m
   assert page_checks and max(p for _, p in page_checks) <= num_pages * mesh_shape[0]
   if num_pages == 14:
     assert sum(s.swapped_out for s in out.segments) > 0
+    sizes = collective_sizes(real.lower(*admissions[0]).compile().as_text())
+    pool = admissions[0][0].cache.k
+    assert sizes and max(sizes) < pool.size // mesh.size  # (the new rows' KV, row state)
 
 
 def test_sharded_paged_speculative_equals_one_device(target, static_ar, page_checks):
