@@ -6,6 +6,7 @@
   python experiments/simulate.py --calibrate [--bench-json run.json ...]
   python experiments/simulate.py --advise --model qwen3-8b --hardware h100 --gpus 8 [--engine specjax]
   python experiments/simulate.py --engine specjax-continuous [--adaptive] [--refill-fraction F]
+                                 [--refill-from-costs]
   python experiments/simulate.py --measure-forwards out.json [--probe-models d128-l4-v256,...]
   python experiments/simulate.py --validate-cpu --forward-json f.json --fit-models m1,m2 \
       --rollout-json r.json ... --fit-rollout r1.json [--engine-json e.json] [--plot p.png]
@@ -87,6 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="specjax-continuous: share of free slots that makes a segment refill")
   p.add_argument("--refill-overhead-s", type=float, default=None,
                  help="specjax-continuous: host seconds per refill besides the prefill")
+  p.add_argument("--refill-from-costs", action="store_true", default=None,
+                 help="specjax-continuous: once rows finish, refill thresholds from the costs "
+                      "(the engine's default rule) instead of --refill-fraction")
   p.add_argument("--advise", action="store_true",
                  help="recommend drafter, K (or adaptive), sync vs async with policy lag")
   p.add_argument("--max-lag", type=int, default=2, help="--advise: largest policy lag to try")
@@ -136,7 +140,8 @@ def build_scenario(a: argparse.Namespace) -> Scenario:
                   reference_logprob=a.reference_logprob, workload=workload, gen_mp=a.gen_mp,
                   memory_fraction=a.memory_fraction, engine=a.engine,
                   adaptive=a.adaptive, min_bucket=a.min_bucket, max_rows=a.max_rows,
-                  refill_fraction=a.refill_fraction, refill_overhead_s=a.refill_overhead_s)
+                  refill_fraction=a.refill_fraction, refill_overhead_s=a.refill_overhead_s,
+                  refill_from_costs=a.refill_from_costs)
 
 
 def run_calibration(a: argparse.Namespace) -> dict:

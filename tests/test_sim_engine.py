@@ -314,6 +314,27 @@ def test_refill_between_segments_is_never_slower_than_waves():
     assert r.tokens == pytest.approx((lengths - 1).sum())
 
 
+def test_refills_chosen_from_costs_follow_the_refill_overhead_and_keep_up_with_the_best_fraction():
+  """The engine's default rule (`adaptive.best_refill`) in the model: a dear refill makes it
+  wait for more free slots; it keeps within a few percent of the best fixed fraction at each
+  refill cost (which no single fraction does) and beats the default 1/8 where a refill is
+  dear."""
+  lengths = _lognormal(256, 400.0, 1.0, 4096)
+  cfg = ContinuousEngineConfig(batch=32, prompt_len=64, max_new=4096, group_size=8)
+  run = lambda **kw: simulate_continuous(dataclasses.replace(cfg, **kw), lengths, [],
+                                         _paged_cost, _prefill_cost)
+  fixed = {o: {f: run(refill_fraction=f, refill_overhead_s=o).seconds
+               for f in (1 / 32, 0.125, 0.5)} for o in (1e-4, 0.05, 0.2)}
+  costs = {o: run(refill_from_costs=True, refill_overhead_s=o) for o in fixed}
+  assert costs[1e-4].refills > costs[0.05].refills > costs[0.2].refills
+  for o, r in costs.items():
+    assert r.seconds <= 1.05 * min(fixed[o].values()), o
+  assert costs[0.2].seconds < 0.8 * fixed[0.2][0.125]
+  cheap, dear = costs[1e-4], costs[0.2]
+  for r in (cheap, dear):  # every row's tokens, each committed once
+    assert r.tokens == pytest.approx((lengths - 1).sum())
+
+
 def test_preemption_never_loses_tokens_and_counts_the_recomputation():
   lengths = _lognormal(64, 600.0, 0.9, 4096)
   rates = engine_model.cumulative_rates(2.5, 3)

@@ -30,6 +30,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specjax.sampling.adaptive import RefillPolicy
 from specjax.sim.engine_model import EngineModelConfig, effective_lengths, tokens_per_step
 
 
@@ -46,6 +47,12 @@ class ContinuousEngineConfig(EngineModelConfig):
   full pages. `refill_fraction`: share of the slots that must be free (with rows waiting) for a
   segment to return and refill; `refill_overhead_s`: host work per refill (device->host sync,
   admission and page tables, the prefill's dispatch) on top of the prefill itself.
+  `refill_from_costs`: once rows have finished, the free slots that make a segment return come
+  from the costs instead, as the engine's default does (`specjax.sampling.adaptive.best_refill`:
+  a refill's fixed cost `refill_overhead_s` + `segment_overhead_s` and one row's share of a
+  group's prompt prefill against the idle slots, at the step cost of the full pool and the rate
+  rows finish, a running count decayed 0.7 per segment); False (the recorded projections):
+  `refill_fraction` throughout.
   `headroom_iters`: admission leaves, and preemption frees, pages for this many iterations of
   the live rows' growth (so an admitted row is not preempted at once)."""
 
@@ -55,6 +62,7 @@ class ContinuousEngineConfig(EngineModelConfig):
   group_size: int = 1
   refill_fraction: float = 0.125
   refill_overhead_s: float = 5e-3
+  refill_from_costs: bool = False
   headroom_iters: int = 16
   cost_chunks: int = 8  # a segment's cost is summed over this many chunks (of >= 16 iterations)
 
@@ -188,6 +196,11 @@ def simulate_continuous(cfg: ContinuousEngineConfig, lengths: Sequence[float],
   seconds = prefill_total = host_total = recompute_total = recomputed = 0.0
   refills = preemptions = peak_live = peak_pages = 0
   blocked = False  # admission found too few pages: retry once a row has finished
+  refill = RefillPolicy(B, 1, cfg.refill_slots)  # free slots that make a segment return
+  if cfg.refill_from_costs:
+    refill.costs = (cfg.refill_overhead_s + cfg.segment_overhead_s,
+                    float(prefill_cost(1, P, P, P / 2.0)) / cfg.group_size)
+  refill_at = cfg.refill_slots
 
   def kv_tokens(rows, extra_work):
     """Generated tokens held by `rows` after `extra_work` more committed work each."""
@@ -219,7 +232,7 @@ def simulate_continuous(cfg: ContinuousEngineConfig, lengths: Sequence[float],
       live = np.flatnonzero(state == 1)
     free_slots = B - len(live)
     if queue and (not segments or not len(live) or
-                  (free_slots >= cfg.refill_slots and not blocked)):
+                  (free_slots >= refill_at and not blocked)):
       used = pages(live, head)
       cand = np.fromiter(itertools.islice(queue, free_slots), int)
       g = group[cand]
@@ -269,7 +282,9 @@ def simulate_continuous(cfg: ContinuousEngineConfig, lengths: Sequence[float],
     rem = np.sort((work[live] - done[live]) / mean)  # iterations each live row still needs
     limits = [rem[-1]]
     if queue:  # return when enough slots are free (one finish when admission was blocked)
-      need = 1 if blocked else cfg.refill_slots - free_slots + admitted
+      if bucket == B:
+        refill_at = refill.threshold(float(step_cost(B, k, kv0)))
+      need = 1 if blocked else refill_at - free_slots + admitted
       limits.append(rem[min(max(need, 1), len(rem)) - 1])
     elif cfg.compact and bi + 1 < len(buckets):
       limits.append(rem[len(rem) - buckets[bi + 1] - 1])
@@ -301,6 +316,8 @@ def simulate_continuous(cfg: ContinuousEngineConfig, lengths: Sequence[float],
       drafts = tokens / mean
       policy.estimate.add(k, drafts, drafts * np.asarray(rates[:k], float))
     finished = live[done[live] >= work[live] - 1e-9]
+    if queue and bucket == B:
+      refill.observe(len(finished), iters)
     if len(finished):
       state[finished] = 2
       blocked = False

@@ -43,7 +43,8 @@ def _specjax(s: "Scenario", model, hw, gpus, **kw) -> phases.GenResult:
 
 
 def _specjax_continuous(s: "Scenario", model, hw, gpus, **kw) -> phases.GenResult:
-  engine = {k: getattr(s, k) for k in ("refill_fraction", "refill_overhead_s")
+  engine = {k: getattr(s, k) for k in ("refill_fraction", "refill_overhead_s",
+                                       "refill_from_costs")
             if getattr(s, k) is not None}
   return phases.generation_continuous(model, hw, s.eff, gpus, s.workload, adaptive=s.adaptive,
                                       min_bucket=s.min_bucket, max_rows=s.max_rows, **engine,
@@ -93,6 +94,7 @@ class Scenario:
   max_rows: int | None = None  # row slots per replica (None: the KV budget / an average row)
   refill_fraction: float | None = None  # share of slots free that makes a segment refill
   refill_overhead_s: float | None = None  # host work per refill besides the prefill
+  refill_from_costs: bool | None = None  # refill thresholds from costs, as the engine's default
   drafter_cost: DrafterCost = dataclasses.field(init=False, repr=False, compare=False)
 
   def __post_init__(self):
