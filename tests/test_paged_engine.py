@@ -19,7 +19,7 @@ from test_queue import (CFG, GREEDY, PROMPT_LENGTHS, PROMPTS,
                         assert_nothing_compiles_after_the_first_rollout, assert_same_rollout)
 
 from specjax.drafters import (DraftModelDrafter, NgramDrafter, eagle3_drafter, identity_maps,
-                              init_head, mtp_drafter)
+                              init_head, mtp_drafter, truncated_copy)
 from specjax.models import Decoder
 from specjax.models.paged import PagedKV
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, generate,
@@ -142,6 +142,51 @@ def test_greedy_paged_mtp_equals_the_plain_loop(page_checks):
                              GREEDY, engine=paged(40))
   assert_same_rollout(out, static)
   assert page_checks.drafter_paged
+
+
+def test_a_paged_run_holds_its_pool_once_whichever_bucket_steps(target, static_ar, monkeypatch):
+  """Compaction hands a bucket the pool's page buffers instead of a copy, and so does the
+  preparation of every bucket (compile_ahead; adaptive K, so each bucket's dry runs step it):
+  whenever a segment runs, the target's pool is alive once (its k and v)."""
+  alive = []
+  real = eng._segment_jit
+
+  class Counted:
+    lower = real.lower
+
+    def __call__(self, *args, **kw):
+      k = args[5].cache.k  # (graphdef, params, drafter, drafter params, key, state, ...)
+      alive.append(sum(x.shape == k.shape and x.dtype == k.dtype for x in jax.live_arrays()))
+      return real(*args, **kw)
+
+  monkeypatch.setattr(eng, "_segment_jit", Counted())
+  drafter, params = DraftModelDrafter.from_model(truncated_copy(target, 1), 3)
+  out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                             GREEDY, engine=paged(200, compile_ahead=True))
+  assert_same_rollout(out, static_ar)
+  assert len({s.bucket for s in out.segments}) >= 3 and len(alive) > len(out.segments)
+  assert max(alive) == 2, alive
+
+
+def test_swapping_a_row_back_writes_into_the_pool_in_place(target, static_ar, monkeypatch):
+  """(14 pages: rows are swapped out and back) the copy back takes the pool's buffers, so the
+  pool is never held twice."""
+  alive = []
+  real = paging._write_pages
+
+  class Counted:
+    lower = real.lower
+
+    def __call__(self, buffers, *args):
+      out = real(buffers, *args)
+      k = out[0][0]
+      alive.append(sum(x.shape == k.shape and x.dtype == k.dtype for x in jax.live_arrays()))
+      return out
+
+  monkeypatch.setattr(paging, "_write_pages", Counted())
+  out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=paged(14))
+  assert_same_rollout(out, static_ar)
+  assert alive and max(alive) == 2, alive
 
 
 def test_paged_batch_without_a_queue_compacts_and_equals_the_plain_loop(target, static_ar,

@@ -79,6 +79,24 @@ def _write_back(out: EngineState, state: EngineState) -> EngineState:
   return map_rows(lambda o, s: o.at[idx].set(s, mode="drop"), out, state)
 
 
+def _rows_only(*states: EngineState) -> tuple[EngineState, ...]:
+  """The states as compaction's programs take them: a paged state without its page buffers."""
+  return tuple(paging.without_buffers(s) for s in states)
+
+
+def _take(state: EngineState, idx: jax.Array, pad: jax.Array) -> EngineState:
+  """Compaction's gather of rows `idx` into a bucket state. A paged state's pool is not copied:
+  the bucket state holds the same page buffers, which its first segment takes (the full-size
+  state keeps its rows, for the write-back)."""
+  return paging.with_buffers(_take_jit(*_rows_only(state), idx, pad), state)
+
+
+def _written_back(out: EngineState, state: EngineState) -> EngineState:
+  """`_write_back` of bucket `state` into the full-size `out` (takes `out`); a paged pool moves
+  back with the rows, uncopied."""
+  return paging.with_buffers(_write_back(*_rows_only(out, state)), state)
+
+
 @struct.dataclass
 class Results:
   """What the engine keeps of each of the caller's rows once it is done (the slots move on)."""
@@ -241,7 +259,8 @@ class _Run:
     `compile_threads` at a time (XLA compiles one program on one core); then (adaptive) each
     smaller bucket's timed K are calibrated, one at a time (the first bucket's are timed when the
     policy first asks for them). Programs already compiled, and costs already measured, are
-    reused; `queue_jobs` compile the queue's admission programs alongside.
+    reused; `queue_jobs` compile the queue's admission programs alongside. Returns `state`
+    (a paged state's page buffers are the same ones, passed through the dry runs).
 
     `EngineConfig.compile_ahead` (True) prepares every bucket at every K before the first
     segment, so a later rollout compiles nothing whichever buckets and K it runs; the default
@@ -249,17 +268,18 @@ class _Run:
     bucket when a rollout first reaches it, so the first rollout compiles only what it runs."""
     if not self.costs.first_preparation((self.program_id, self.engine, tuple(buckets),
                                          len(queue_jobs))):
-      return
+      return state
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
     # ahead: every K a segment may choose (those between the timed ones would compile in a later
     # step); else the timed K only
     ks = self.policy.k_choices if self.engine.compile_ahead else self.timed_ks
     # what compaction to bucket b runs: gather from the full batch, summary, write-back
+    # (a paged state's buckets share its page buffers: the pool is held once)
     subs = {buckets[0]: state}
     for b in buckets[1:]:
-      subs[b] = _take_jit(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
+      subs[b] = _take(state, jnp.arange(b, dtype=jnp.int32), jnp.zeros((b,), bool))
     # (the write-back takes the full-size state it writes into: compiled, not run)
-    jobs = [lambda s=subs[b]: (_summary(s), _write_back.lower(state, s).compile())
+    jobs = [lambda s=subs[b]: (_summary(s), _write_back.lower(*_rows_only(state, s)).compile())
             for b in buckets[1:]]
     jobs += list(queue_jobs)
     for b in buckets:
@@ -274,9 +294,13 @@ class _Run:
       jax.block_until_ready([job() for job in jobs])
     if self.adaptive:  # (the first bucket's are timed when the policy first asks for them)
       for b in buckets[1:]:
-        box = [subs[b]]
+        # (a dry run takes its state's page buffers and gives them back: they go on to the
+        # next bucket and back to `state`)
+        box = [paging.with_buffers(subs[b], state)]
         for k in self.timed_ks:
           self.cost(box, b, k, prompt_len)
+        state = paging.with_buffers(state, box[0])
+    return state
 
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
     drafter = None if self.drafter is None else \
@@ -422,8 +446,8 @@ class _Run:
       queue_jobs = (lambda: _harvest.lower(results, state).compile(), compile_admission)
     if paged:  # swapping's page copies
       queue_jobs += (lambda: pages.compile_swaps(paging.pools(state)),)
-    self.prepare_buckets(state, buckets if self.engine.compile_ahead else buckets[:1],
-                         queue_jobs)
+    state = self.prepare_buckets(state, buckets if self.engine.compile_ahead else buckets[:1],
+                                 queue_jobs)
     if waiting() and self.engine.refill_from_costs:
       state, refills.costs = self.refill_costs(state, prompts, prompt_lengths, key_prefill, group,
                                                prefill_rows, pages)
@@ -478,10 +502,10 @@ class _Run:
         # to date first): one gather program per bucket, whichever bucket the rows come from
         # (a full-size state is its own write-back; `out` then is an earlier state, whose
         # buffers the segments since took)
-        out = state if bucket == slots else _write_back(out, state)
-        state, bucket = _take_jit(out, jnp.asarray(idx), jnp.asarray(pad)), new
+        out = state if bucket == slots else _written_back(out, state)
+        state, bucket = _take(out, jnp.asarray(idx), jnp.asarray(pad)), new
         if not self.engine.compile_ahead:  # (a no-op once the bucket is prepared)
-          self.prepare_buckets(state, [new])
+          state = self.prepare_buckets(state, [new])
         # token and acceptance counts now cover only the rows in the bucket
         summary = jax.device_get(_summary(state))
         live_mask, seq_lengths, tokens_before, drafts0, acc0, _, homes = summary
@@ -542,7 +566,7 @@ class _Run:
                                    waiting_for_pages=paused_rows,
                                    refill_at=refill if waiting() else 0))
       swaps_before = pages.swaps if paged else 0
-    out = state if bucket == slots else _write_back(out, state)
+    out = state if bucket == slots else _written_back(out, state)
     results, _ = _harvest(results, out)
     stats = None
     if self.drafter is not None:

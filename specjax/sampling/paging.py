@@ -74,6 +74,23 @@ def with_pools(state: EngineState, new: tuple[PagedKV, ...]) -> EngineState:
   return jax.tree.unflatten(tree, [next(new) if isinstance(x, PagedKV) else x for x in leaves])
 
 
+def without_buffers(state: EngineState) -> EngineState:
+  """`state` with its pools' page buffers (k, v) replaced by empty arrays: what a program that
+  moves rows between a full-size state and a bucket (compaction's gather, its write-back) takes
+  of a paged state, so that it never copies the pool (`with_buffers` puts them back)."""
+  empty = lambda x: jnp.zeros((0,), x.dtype)
+  return with_pools(state, tuple(p.replace(k=empty(p.k), v=empty(p.v)) for p in pools(state)))
+
+
+def with_buffers(state: EngineState, source: EngineState) -> EngineState:
+  """`state` with the page buffers of `source`'s pools: the same arrays, not a copy, so a paged
+  run holds its pool once whichever bucket steps. A program that takes (donates) them, as a
+  segment does, leaves every other state that shares them without: such a state is read again
+  only through `without_buffers`, or with the live buffers put back. A no-op without pools."""
+  return with_pools(state, tuple(p.replace(k=s.k, v=s.v)
+                                 for p, s in zip(pools(state), pools(source))))
+
+
 def drafter_cache(drafter_state) -> KVCache | PagedKV:
   """The one KV cache in a drafter's state whose cache pages (`Drafter.page_layout`)."""
   [cache] = [x for x in jax.tree.leaves(drafter_state, is_leaf=is_cache) if is_cache(x)]
@@ -104,11 +121,12 @@ def to_paged(state: EngineState, pool: PagedKV, table: jax.Array,
   return state
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("pool", "draft_pool"))
 def start_paged(state: EngineState, pool: PagedKV, table: jax.Array, admitted: jax.Array,
                 draft_pool: PagedKV | None = None) -> EngineState:
   """The engine's first prefilled rows on `pool` (and `draft_pool`); rows not `admitted` (no
-  pages for them yet) become free slots, to be admitted again later."""
+  pages for them yet) become free slots, to be admitted again later. Takes the pools (their
+  buffers become the state's: the pool is never held twice)."""
   state = to_paged(state, pool, table, draft_pool)
   return state.replace(done=state.done | ~admitted,
                        row_ids=jnp.where(admitted, state.row_ids, -1))
@@ -133,7 +151,7 @@ def _read_pages(buffers: tuple, pages: jax.Array) -> tuple:
   return tuple(one(k, v) for k, v in buffers)
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnames=("buffers",))
 def _write_pages(buffers: tuple, pages: jax.Array, values: tuple) -> tuple:
   def one(k, v, new_k, new_v):
     idx = jnp.where((pages >= 0) & (pages < k.shape[2]), pages, k.shape[2])
@@ -148,7 +166,8 @@ def read_pages(pools: tuple[PagedKV, ...], pages: jax.Array) -> tuple:
 
 
 def write_pages(pools: tuple[PagedKV, ...], pages: jax.Array, kv: tuple) -> tuple[PagedKV, ...]:
-  """`read_pages`' values back into `pages` of every pool."""
+  """`read_pages`' values back into `pages` of every pool. Takes the pools' page buffers (the
+  returned pools hold them, written in place): the caller drops `pools`."""
   new = _write_pages(tuple((p.k, p.v) for p in pools), pages, kv)
   return tuple(p.replace(k=k, v=v) for p, (k, v) in zip(pools, new))
 
@@ -376,7 +395,9 @@ class SlotPages:
       pools = rep.visit(pools, live, seq_lens, homes, draft_len)
     return pools
 
-  def compile_swaps(self, pools: tuple[PagedKV, ...]):
-    """Run swapping's copies once (nothing changes), so they compile before the rollout."""
+  def compile_swaps(self, pools: tuple[PagedKV, ...]) -> None:
+    """Compile swapping's copies before the rollout (the write, which takes the pools' buffers,
+    compiled, not run)."""
     none = self.replicas[0]._padded([])
-    return write_pages(pools, none, read_pages(pools, none))
+    buffers = tuple((p.k, p.v) for p in pools)
+    _write_pages.lower(buffers, none, jax.device_get(_read_pages(buffers, none))).compile()
