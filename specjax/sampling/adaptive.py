@@ -154,9 +154,8 @@ class DraftLenPolicy:
 
 
 def best_refill(slots: int, unit: int, step_s: float, finish_rate: float, refill_s: float,
-                row_s: float) -> tuple[int, float]:
-  """(free slots that should make a segment return to refill, the busy share of the slots it
-  gives). `slots` are stepped at `step_s` seconds per step whether busy or not; rows finish at
+                row_s: float) -> int:
+  """The free slots that should make a segment return to refill them. `slots` are stepped at `step_s` seconds per step whether busy or not; rows finish at
   `finish_rate` per step; a refill of f rows costs `refill_s + f * row_s` seconds (the host
   round trip and admission, and the rows' prefill).
 
@@ -166,12 +165,8 @@ def best_refill(slots: int, unit: int, step_s: float, finish_rate: float, refill
   large f, the idle slots for a small one. The best f among the multiples of `unit` (the
   data-parallel size, which admissions fill evenly) up to `slots`; with no finishes seen yet
   (rate 0) the smallest."""
-  best, best_rate = unit, -1.0
-  for f in range(unit, max(slots, unit) + 1, unit):
-    rate = (slots - f / 2) / (step_s + finish_rate * (row_s + refill_s / f))
-    if rate > best_rate:
-      best, best_rate = f, rate
-  return best, (slots - best / 2) / slots
+  rate = lambda f: (slots - f / 2) / (step_s + finish_rate * (row_s + refill_s / f))
+  return max(range(unit, max(slots, unit) + 1, unit), key=rate)
 
 
 class RefillPolicy:
@@ -198,4 +193,4 @@ class RefillPolicy:
       return self.first
     refill_s, row_s = self.costs
     return best_refill(self.slots, self.unit, step_s, self.finished / self.steps, refill_s,
-                       row_s)[0]
+                       row_s)

@@ -521,15 +521,12 @@ class _Run:
         self.compile_segment(box[0], k, window)
         self.cost(box, bucket, k, longest)  # (the line's ends are timed, if not yet)
         self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
+      refilling = waiting() > 0 and bucket == slots
+      if refilling and refills.costs is not None:  # (K's step cost is measured by now)
+        refill = refills.threshold(self.cost(box, bucket, k, longest))
       state = box[0]
       if bucket == slots:  # (`out` held the state the dry runs took)
         out = state
-      refilling = waiting() > 0 and bucket == slots
-      if refilling and refills.costs is not None:  # (the step cost is measured by now)
-        refill = refills.threshold(self.cost(box, bucket, k, longest))
-        state = box[0]
-        if bucket == slots:
-          out = state
       if waiting():  # return once `refill` slots are free (or pages: once a row ends)
         stop_at_live = live - 1 if no_pages else slots - refill
       else:
