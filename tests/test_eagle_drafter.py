@@ -2,6 +2,7 @@
 output equals AR greedy, temperature-1 output is distributed as AR sampling, and trained heads
 (in-domain beats general) raise the acceptance length on a tiny pretrained arithmetic target."""
 
+import dataclasses
 import itertools
 
 import jax
@@ -75,6 +76,24 @@ def test_chained_drafts_are_the_ttt_unrolled_steps_at_the_last_committed_pair(ta
     want = draft_to_target_probs(jax.nn.softmax(step_logits[i], -1), maps)[rows, lengths - 1]
     np.testing.assert_allclose(probs[:, i], want, atol=1e-5)
   assert np.all(np.asarray(maps.t2d)[np.asarray(tokens)])
+
+
+def test_greedy_eagle_draft_trees_equal_greedy_autoregressive_and_accept_more(target, trained):
+  prompts, lengths = toy.tiny_prompts(8, seed=4)
+  ar = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
+  accepted = {}
+  for width in (1, 3):
+    drafter, params = eagle3_drafter(trained.head, target.embed[...], trained.maps, draft_len=K)
+    drafter = dataclasses.replace(drafter, tree_width=width)
+    for engine in (STATIC, EngineConfig()):
+      out = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(1),
+                                 GREEDY, engine=engine)
+      np.testing.assert_array_equal(out.tokens, ar.tokens)
+      np.testing.assert_array_equal(out.lengths, ar.lengths)
+      if engine is STATIC:
+        m = AcceptanceMetrics.from_counts(out.stats)
+        accepted[width] = m.num_accepted_tokens / m.num_drafts
+  assert accepted[3] > accepted[1]
 
 
 @pytest.mark.parametrize("which", ["untrained", "trained"])

@@ -11,6 +11,7 @@ from flax import nnx
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import AcceptanceMetrics, SamplingConfig, generate, speculative_generate
 from specjax.drafters import DraftModelDrafter, NgramDrafter
+from specjax.drafters.draft_model import truncated_copy
 from specjax.sampling import engine, speculative
 from specjax.sampling import STATIC, EngineConfig
 import stats
@@ -89,6 +90,39 @@ def test_new_target_params_reuse_the_compiled_loop(target, greedy_runs):
   assert engine.compiled_programs() == before
 
 
+@pytest.mark.parametrize("width", [2, 3])
+def test_greedy_draft_trees_equal_greedy_autoregressive(target, greedy_runs, width):
+  # the target's first layer as the draft: its chains are often rejected where its next most
+  # likely token is the target's
+  ar = greedy_runs[0]
+  other = truncated_copy(target, 1)
+  for tree_width in (1, width):
+    drafter, params = DraftModelDrafter.from_model(other, K, tree_width=tree_width)
+    for eng in (STATIC, EngineConfig()):
+      out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS,
+                                 jax.random.key(1), GREEDY, engine=eng)
+      np.testing.assert_array_equal(out.tokens, ar.tokens)
+      np.testing.assert_array_equal(out.lengths, ar.lengths)
+      if eng is STATIC:
+        accepted = AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens
+        if tree_width == 1:
+          chain_accepted = accepted
+  assert accepted > chain_accepted  # the alternatives were accepted where the chain was not
+
+
+def test_draft_trees_need_a_ranking_drafter_and_dense_caches(target):
+  with pytest.raises(ValueError, match="drafts chains only"):
+    speculative_generate(target, NgramDrafter(K, n=2, tree_width=2), (), PROMPTS,
+                         PROMPT_LENGTHS, jax.random.key(1), GREEDY)
+  drafter, params = DraftModelDrafter.from_model(target, K, tree_width=2)
+  with pytest.raises(ValueError, match="dense caches"):
+    speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                         GREEDY, engine=EngineConfig(kv_cache_gb=0.01, max_rows=4))
+  with pytest.raises(ValueError, match="tree_width must be an int >= 1"):
+    speculative_generate(target, DraftModelDrafter.from_model(target, K, tree_width=0)[0],
+                         params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY)
+
+
 def test_bad_inputs_raise_clear_errors(target, greedy_runs):
   _, _, drafter, params = greedy_runs
   run = lambda d=drafter, p=params, **kw: speculative_generate(
@@ -145,14 +179,16 @@ def ar_samples(target):
   return generate(target, prompts, lengths, jax.random.key(10), SAMPLE)
 
 
-@pytest.fixture(scope="module", params=["draft_model", "ngram"])
+@pytest.fixture(scope="module", params=["draft_model", "ngram", "draft_model_tree"])
 def spec_samples(request, target):
   prompts, lengths = stat_prompts()
   if request.param == "ngram":
     drafter, params = NgramDrafter(K, n=2), ()
   else:  # an unrelated random draft: q far from p, the residual correction matters
     other = Decoder(CFG.replace(num_layers=1), rngs=nnx.Rngs(7))
-    drafter, params = DraftModelDrafter.from_model(other, K)
+    # (a tree: the draft's 2 next most likely tokens tried at each depth after a rejection)
+    drafter, params = DraftModelDrafter.from_model(
+        other, K, tree_width=3 if request.param.endswith("tree") else 1)
   return request.param, speculative_generate(target, drafter, params, prompts, lengths,
                                              jax.random.key(20), SAMPLE, engine=ENGINE)
 

@@ -17,7 +17,7 @@ from flax import nnx
 
 from specjax.models.cache import KVCache
 from specjax.models.decoder import Decoder
-from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+from specjax.sampling.drafter import Drafter, Sequences, TargetStep, top_alternatives
 from specjax.drafters.methods import DraftMethodBase, OfflineDraft, register_method
 from specjax.sampling.processing import process_logits
 
@@ -74,28 +74,44 @@ class DraftModelDrafter(Drafter):
                           top_p=self.top_p)
     return jax.random.categorical(key, logq, axis=-1).astype(jnp.int32), jnp.exp(logq)
 
+  @property
+  def drafts_trees(self) -> bool:
+    return True
+
   def propose(self, params, state: KVCache, seq: Sequences, key: jax.Array):
+    drafts, probs, _, cache = self._draft(params, state, seq, key, alternatives=False)
+    return drafts, probs, cache
+
+  def propose_tree(self, params, state: KVCache, seq: Sequences, key: jax.Array):
+    return self._draft(params, state, seq, key, alternatives=True)
+
+  def _draft(self, params, state: KVCache, seq: Sequences, key: jax.Array, alternatives: bool):
+    alts = (lambda logits, tok: top_alternatives(logits, tok, self.tree_width)) \
+        if alternatives else (lambda logits, tok: jnp.zeros((tok.shape[0], 0), jnp.int32))
     model = nnx.merge(self.graphdef, params)
     lengths = seq.lengths
     idx = jnp.maximum(lengths[:, None] - 2 + jnp.arange(2)[None, :], 0)
     inputs = jnp.take_along_axis(seq.tokens, idx, axis=1)
     out = model(inputs, cache=state.with_lengths(lengths - 2), compute_logits=False)
     keys = jax.random.split(key, self.draft_len)
-    first, q_first = self._sample(keys[0], model.head(out.hidden[:, -1:])[:, 0])
+    first_logits = model.head(out.hidden[:, -1:])[:, 0]
+    first, q_first = self._sample(keys[0], first_logits)
 
     def step(carry, k):
       cache, tok = carry
       o = model(tok[:, None], cache=cache)
       nxt, q = self._sample(k, o.logits[:, 0])
-      return (o.cache.advance(1), nxt), (nxt, q)
+      return (o.cache.advance(1), nxt), (nxt, q, alts(o.logits[:, 0], nxt))
 
-    (cache, _), (rest, q_rest) = jax.lax.scan(step, (out.cache.with_lengths(lengths), first),
-                                              keys[1:])
+    (cache, _), (rest, q_rest, alts_rest) = jax.lax.scan(
+        step, (out.cache.with_lengths(lengths), first), keys[1:])
     drafts = jnp.concatenate([first[:, None], rest.T], axis=1)
+    others = jnp.concatenate([alts(first_logits, first)[:, None],
+                              jnp.swapaxes(alts_rest, 0, 1)], axis=1)
     if q_first is None:
-      return drafts, None, cache
+      return drafts, None, others, cache
     probs = jnp.concatenate([q_first[:, None], jnp.swapaxes(q_rest, 0, 1)], axis=1)
-    return drafts, probs, cache
+    return drafts, probs, others, cache
 
 
 def truncated_copy(model: Decoder, num_layers: int) -> Decoder:

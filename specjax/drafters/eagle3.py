@@ -24,7 +24,7 @@ from specjax.models.cache import KVCache
 from specjax.models.paged import PagedKV
 from specjax.models.hf import config_from_hf
 from specjax.models.layers import causal_mask
-from specjax.sampling.drafter import Drafter, Sequences, TargetStep
+from specjax.sampling.drafter import Drafter, Sequences, TargetStep, top_alternatives
 from specjax.drafters.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
                                       register_method)
 
@@ -54,6 +54,8 @@ class ChainDrafter(Drafter):
       raise ValueError(f"{type(self).__name__}.draft_len: must be >= 1, got {self.draft_len}")
     if self.temperature < 0:
       raise ValueError(f"{type(self).__name__}.temperature: must be >= 0, got {self.temperature}")
+    if self.tree_width < 1:
+      raise ValueError(f"{type(self).__name__}.tree_width: must be >= 1, got {self.tree_width}")
     if self.graphdef is None:
       raise ValueError(f"{type(self).__name__}.graphdef: required (nnx.split of the module)")
 
@@ -109,9 +111,28 @@ class ChainDrafter(Drafter):
     tokens = ids if maps is None else jnp.take(maps.d2t, ids)
     return tokens, probs
 
+  def _alternatives(self, params, logits: jax.Array, tokens: jax.Array) -> jax.Array:
+    maps = self.vocab_maps(params)
+    return top_alternatives(logits, tokens, self.tree_width, None if maps is None else maps.d2t)
+
   def propose(self, params, state: ChainState, seq: Sequences, key: jax.Array):
+    tokens, probs, _, state = self._draft(params, state, key, alternatives=False)
+    return tokens, probs, state
+
+  def propose_tree(self, params, state: ChainState, seq: Sequences, key: jax.Array):
+    return self._draft(params, state, key, alternatives=True)
+
+  @property
+  def drafts_trees(self) -> bool:
+    return True
+
+  def _draft(self, params, state: ChainState, key: jax.Array, alternatives: bool):
     keys = jax.random.split(key, self.draft_len)
-    first_tok, first_probs = self._pick(params, self.draft_logits(params, state.hidden), keys[0])
+    alts = (lambda logits, tok: self._alternatives(params, logits, tok)) if alternatives else \
+        (lambda logits, tok: jnp.zeros((tok.shape[0], 0), jnp.int32))
+    first_logits = self.draft_logits(params, state.hidden)
+    first_tok, first_probs = self._pick(params, first_logits, keys[0])
+    first_alts = alts(first_logits, first_tok)
     committed = state.cache.lengths
 
     def chain(carry, xs):
@@ -120,16 +141,18 @@ class ChainDrafter(Drafter):
       out, cache = self.run(params, hidden[:, None], tok[:, None],
                             cache.with_lengths(committed + k - 1))
       hidden = out[:, 0]
-      nxt, probs = self._pick(params, self.draft_logits(params, hidden), step_key)
-      return (hidden, nxt, cache), (nxt, probs)
+      logits = self.draft_logits(params, hidden)
+      nxt, probs = self._pick(params, logits, step_key)
+      return (hidden, nxt, cache), (nxt, probs, alts(logits, nxt))
 
     steps = (jnp.arange(1, self.draft_len, dtype=jnp.int32), keys[1:])
-    (_, _, cache), (toks, probs) = jax.lax.scan(chain, (state.hidden, first_tok, state.cache),
-                                                steps)
+    (_, _, cache), (toks, probs, more) = jax.lax.scan(
+        chain, (state.hidden, first_tok, state.cache), steps)
     tokens = jnp.concatenate([first_tok[:, None], jnp.swapaxes(toks, 0, 1)], axis=1)
     if first_probs is not None:
       probs = jnp.concatenate([first_probs[:, None], jnp.swapaxes(probs, 0, 1)], axis=1)
-    return tokens, probs, state.replace(cache=cache.with_lengths(committed))
+    alternatives = jnp.concatenate([first_alts[:, None], jnp.swapaxes(more, 0, 1)], axis=1)
+    return tokens, probs, alternatives, state.replace(cache=cache.with_lengths(committed))
 
 
 @struct.dataclass

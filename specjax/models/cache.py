@@ -86,6 +86,13 @@ class KVCache:
   def with_lengths(self, lengths: jax.Array) -> "KVCache":
     return self.replace(lengths=jnp.asarray(lengths, jnp.int32))
 
+  def keep_path(self, path: jax.Array, nodes: int) -> "KVCache":
+    """After a forward over a draft tree of `nodes` nodes (node t written at lengths + t): the
+    entries of the nodes on `path` int32[B, P] moved to lengths + 0 .. P - 1, where the next
+    steps read them as a chain (`specjax.models.tree`)."""
+    return self.replace(k=tuple(gather_path(b, self.lengths, path, nodes, axis=3) for b in self.k),
+                        v=tuple(gather_path(b, self.lengths, path, nodes, axis=2) for b in self.v))
+
 
 def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> jax.Array:
   """buf[b, ..., start[b] : start[b] + T (on `axis`), ...] = new[b] for every row b (`new` laid
@@ -96,6 +103,19 @@ def write_rows(buf: jax.Array, new: jax.Array, start: jax.Array, axis: int) -> j
     return jax.lax.dynamic_update_slice(row, upd.astype(row.dtype), idx)
 
   return jax.vmap(one)(buf, new, start)
+
+
+def gather_path(buf: jax.Array, start: jax.Array, path: jax.Array, nodes: int,
+                axis: int) -> jax.Array:
+  """buf[b, .., start[b] + j (on `axis`), ..] = buf[b, .., start[b] + path[b, j], ..] for the
+  P = path.shape[1] positions j (the `nodes` positions from start[b] must lie in the buffer)."""
+
+  def one(row, s, p):
+    block = jax.lax.dynamic_slice_in_dim(row, s, nodes, axis=axis - 1)
+    moved = jnp.take(block, p, axis=axis - 1)
+    return jax.lax.dynamic_update_slice_in_dim(row, moved, s, axis=axis - 1)
+
+  return jax.vmap(one)(buf, start, path)
 
 
 def write_keys(buf: jax.Array, k: jax.Array, start: jax.Array) -> jax.Array:

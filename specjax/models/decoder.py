@@ -16,6 +16,7 @@ from specjax.models.cache import KVCache
 from specjax.models.config import ModelConfig
 from specjax.models.layers import DecoderLayer, RMSNorm, causal_mask, param, segment_mask
 from specjax.models.paged import PagedKV
+from specjax.models.tree import DraftTree
 
 
 @struct.dataclass
@@ -26,8 +27,23 @@ class DecoderOutput:
   cache: KVCache | None = None
 
 
-def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=None):
-  """Absolute positions [B, T] of the new tokens and the attention mask [B, T, S]."""
+def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=None,
+                       tree: DraftTree | None = None):
+  """Absolute positions [B, T] of the new tokens and the attention mask [B, T, S]. With a
+  `tree` (a dense cache; T = tree.nodes), token t sits at position lengths + depth(t) and sees
+  the committed cache and its ancestors in the tree, whose entries it writes at lengths + t."""
+  if tree is not None:
+    if not isinstance(cache, KVCache):
+      raise ValueError("a draft tree is verified over a dense KVCache (paged caches and "
+                       "cacheless forwards take chains only)")
+    if seq != tree.nodes:
+      raise ValueError(f"a forward over DraftTree{(tree.draft_len, tree.width)} takes "
+                       f"{tree.nodes} tokens, got {seq}")
+    positions = cache.lengths[:, None] + jnp.asarray(tree.depths)[None]
+    rel = jnp.arange(cache.visible, dtype=jnp.int32)[None, :] - cache.lengths[:, None]  # [B, S]
+    inside = (rel >= 0) & (rel < seq)
+    anc = jnp.asarray(tree.ancestors)[:, jnp.clip(rel, 0, seq - 1)]  # [T, B, S]
+    return positions, (rel < 0)[:, None, :] | (inside[:, None, :] & anc.transpose(1, 0, 2))
   if cache is not None:
     positions = cache.lengths[:, None] + jnp.arange(seq, dtype=jnp.int32)[None]
     if isinstance(cache, PagedKV):  # paged attention masks by position itself
@@ -109,10 +125,11 @@ class Decoder(nnx.Module):
   # -- forward ---------------------------------------------------------------------------------
   def __call__(self, tokens: jax.Array, *, cache: KVCache | None = None,
                positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-               compute_logits: bool = True) -> DecoderOutput:
+               compute_logits: bool = True, tree: DraftTree | None = None) -> DecoderOutput:
     """`segment_ids` int[B, T] (no cache): packed rows, several sequences in a row; a token
     attends only to the earlier tokens of its own segment, at the `positions` given (each
-    sequence's own, from 0)."""
+    sequence's own, from 0). `tree` (static, with a dense cache): the T tokens are the nodes of
+    a draft tree (`positions_and_mask`)."""
     b, t = tokens.shape
     if segment_ids is not None:
       if cache is not None or positions is None:
@@ -122,7 +139,7 @@ class Decoder(nnx.Module):
       segments = segment_ids if blocked else None
     else:
       causal_by_index = self._linear_attention(cache, positions)
-      positions, mask = positions_and_mask(b, t, cache, positions)
+      positions, mask = positions_and_mask(b, t, cache, positions, tree)
       mask = None if causal_by_index else mask  # the layers then attend in blocks (attention.py)
       segments = None
     x = self.embed_tokens(tokens)

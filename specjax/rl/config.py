@@ -27,6 +27,9 @@ class DraftConfig:
   draft_len: int = 3  # K, tokens proposed per speculative step (adaptive: the largest K)
   adaptive: bool = _ENGINE.adaptive  # the engine picks K in 0..max_draft_len per live-batch bucket
   max_draft_len: int = _ENGINE.max_draft_len  # adaptive: largest K; 0 -> draft_len
+  # candidates verified per depth: 1 a chain; W > 1 a draft tree, the drafter's W - 1 next most
+  # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense caches)
+  tree_width: int = 1
   online: bool = False  # train the draft inside the RL train step; kinds without an online loss
   # (all but eagle3, mtp) have nothing to train and read it as False
   loss_weight: float = 1.0  # lambda in  loss = GRPO + lambda * draft loss
@@ -49,6 +52,8 @@ class DraftConfig:
     _check(self.draft_len >= 1, f"{w}.draft_len", f"must be >= 1, got {self.draft_len}")
     _check(self.max_draft_len >= 0, f"{w}.max_draft_len",
            f"must be >= 0 (0: draft_len), got {self.max_draft_len}")
+    _check(self.tree_width >= 1, f"{w}.tree_width", f"must be >= 1 (1: a chain), got "
+           f"{self.tree_width}")
     _check(self.loss_weight >= 0, f"{w}.loss_weight", f"must be >= 0, got {self.loss_weight}")
     _check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
     _check(1 <= self.ngram_min <= self.ngram_max, f"{w}.ngram_min",

@@ -73,9 +73,19 @@ def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None)
   `draft`: the draft `Decoder` (or its split) for "draft-model", the EAGLE-3 head (module or split)
   for "eagle3"; unused otherwise. Drafters whose params follow training (eagle3, mtp) get them
   from `RolloutSampler.prepare`."""
-  return cfg.draft.method.build_drafter(cfg.draft, policy_graphdef=policy_graphdef,
-                                        policy_cfg=policy_cfg, draft=draft,
-                                        group_size=cfg.grpo.group_size)
+  drafter, params = cfg.draft.method.build_drafter(cfg.draft, policy_graphdef=policy_graphdef,
+                                                   policy_cfg=policy_cfg, draft=draft,
+                                                   group_size=cfg.grpo.group_size)
+  width = cfg.draft.tree_width
+  if drafter is not None and width > 1:
+    if not drafter.drafts_trees:
+      raise ValueError(f"DraftConfig.tree_width={width}: the {cfg.draft.kind!r} drafter drafts "
+                       f"chains only; use 1, or kind eagle3, mtp or draft-model")
+    if cfg.rollout.kv_cache_gb > 0 or cfg.rollout.kv_cache_fraction > 0:
+      raise ValueError(f"DraftConfig.tree_width={width}: draft trees are verified over dense "
+                       f"caches; set rollout.kv_cache_gb and rollout.kv_cache_fraction to 0")
+    drafter = dataclasses.replace(drafter, tree_width=width)
+  return drafter, params
 
 
 def make_history(cfg: RLConfig, drafter: Drafter | None) -> HistoryStore | None:

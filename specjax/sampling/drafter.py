@@ -6,6 +6,7 @@ functions of pytrees. The speculative loop calls, all under one `jit`:
   state = drafter.init(params, batch, cache_size)
   state = drafter.observe(params, state, step)      # after the prefill, and after every verify
   tokens, probs, state = drafter.propose(params, state, seq, key)   # [B, K], [B, K, V] | None
+  (tree_width > 1: tokens, probs, alternatives, state = drafter.propose_tree(...), [B, K, W-1])
 
 `observe` receives what the *target* just did (`TargetStep`): it ran on `input_tokens[b, :T]` at
 positions `start[b] ..`, and of those T positions the first `num_new[b]` are now committed; the
@@ -27,6 +28,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
 from specjax.models.decoder import DecoderOutput
@@ -59,6 +61,20 @@ class Drafter:
   draft_len: int
   vocab_size: int | None = None
   temperature: float = 1.0
+  # candidates a verify scores per depth: 1 a chain; more a draft tree (`propose_tree`,
+  # `specjax.models.tree.DraftTree`) for drafters that rank their candidates (`drafts_trees`)
+  tree_width: int = 1
+
+  @property
+  def drafts_trees(self) -> bool:
+    """The drafter implements `propose_tree`, so `tree_width` may exceed 1."""
+    return False
+
+  @property
+  def write_span(self) -> int:
+    """Cache positions a verify writes past a row's last committed token: the tree's drafted
+    nodes, K * tree_width."""
+    return self.draft_len * self.tree_width
 
   @property
   def stateful(self) -> bool:
@@ -89,3 +105,23 @@ class Drafter:
   def propose(self, params: Any, state: Any, seq: Sequences,
               key: jax.Array) -> tuple[jax.Array, jax.Array | None, Any]:
     raise NotImplementedError
+
+  def propose_tree(self, params: Any, state: Any, seq: Sequences, key: jax.Array
+                   ) -> tuple[jax.Array, jax.Array | None, jax.Array, Any]:
+    """`propose`'s chain and, at each depth, `tree_width - 1` alternatives to its draft there
+    (int32[B, K, tree_width - 1]: candidates from the same proposal as that draft, e.g. its next
+    most likely tokens, never depending on the verifier's randomness), which a tree verify tries
+    where the chain's draft is rejected (`rejection.verify_tree`)."""
+    raise NotImplementedError(f"{type(self).__name__} drafts chains only (tree_width 1)")
+
+
+def top_alternatives(logits: jax.Array, drawn: jax.Array, width: int,
+                     ids: jax.Array | None = None) -> jax.Array:
+  """int32[B, width - 1]: a proposal's most likely tokens (`logits` [B, N]) other than the drawn
+  ones (`drawn` [B], in the ids `ids` maps the N logits to; None: the logits' own), most likely
+  first: the alternatives of a draft tree (`Drafter.propose_tree`)."""
+  top = jax.lax.top_k(logits, width)[1].astype(jnp.int32)  # [B, W]
+  if ids is not None:
+    top = jnp.take(ids, top)
+  order = jnp.argsort(top == drawn[:, None], axis=1, stable=True)[:, :width - 1]
+  return jnp.take_along_axis(top, order, axis=1)

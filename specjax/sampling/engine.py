@@ -187,6 +187,11 @@ class _Run:
     self.segments: list[Segment] = []
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
+  def span(self, k: int) -> int:
+    """Cache positions a step at K writes past a row's last committed token (a draft tree's
+    nodes: `Drafter.write_span`)."""
+    return k * (self.drafter.tree_width if self.drafter is not None else 1)
+
   def _segment_args(self, state, key, k: int, window: int, max_iters: int, stop_at_live: int,
                     stop_at_paused: int, commit: bool = True) -> tuple[tuple, dict]:
     observe = k > 0 or (self.drafter is not None and self.drafter.stateful and
@@ -234,7 +239,7 @@ class _Run:
       # must beat the timed K by min_gain
       return line if self.costs.has(self.cost_key(bucket, k)) else \
           line * (1.0 + self.engine.min_gain)
-    window = window_for(longest, k, self.engine.window_block, self.cache_size)
+    window = window_for(longest, self.span(k), self.engine.window_block, self.cache_size)
 
     def run(m: int) -> tuple[int, float]:
       # a dry run: it steps the state in its own buffers and gives it back as it was, so every
@@ -284,7 +289,7 @@ class _Run:
     jobs += list(queue_jobs)
     for b in buckets:
       for k in ks:
-        window = window_for(prompt_len, k, self.engine.window_block, self.cache_size)
+        window = window_for(prompt_len, self.span(k), self.engine.window_block, self.cache_size)
         jobs.append(lambda b=b, k=k, w=window: self.compile_segment(subs[b], k, w))
     threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
     if threads > 1:
@@ -512,7 +517,7 @@ class _Run:
       longest = int(seq_lengths.max())
       box = [state]  # (calibration's dry runs take the state and give it back)
       k, expected = self.policy.choose(lambda k: self.cost(box, bucket, k, longest), live)
-      window = window_for(longest, k, self.engine.window_block, self.cache_size)
+      window = window_for(longest, self.span(k), self.engine.window_block, self.cache_size)
       j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
       per_bucket[bucket], last_k[bucket] = j + 1, k
       max_iters = self.policy.budget(k, j)

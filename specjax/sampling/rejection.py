@@ -129,3 +129,122 @@ def verify(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
   residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
   last = jax.random.categorical(key_resample, jnp.log(residual), axis=-1).astype(jnp.int32)
   return _emit(draft_tokens, num_accepted, last, logp)
+
+
+def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
+                draft_probs: jax.Array | None, alternatives: jax.Array, *, temperature: float,
+                top_k: int | None = None,
+                top_p: float | None = None) -> tuple[VerifyResult, jax.Array]:
+  """Verify a draft tree (`specjax.models.tree.DraftTree`): the chain `draft_tokens[B, K]` (drawn
+  from `draft_probs`, or deterministic when None) and at each depth i the alternatives
+  `alternatives[B, K, W-1]` (any tokens that depend on the drafter's output only, e.g. its next
+  most likely ones), scored by `target_logits[B, 1 + K * W, V]` at the tree's nodes.
+
+  The chain is verified as by `verify`. Where its draft at depth i is rejected, the alternatives
+  at depth i are tried in turn against what the target still owes: the residual r of that
+  position; alternative x is accepted with probability r(x), and on a rejection r loses x and is
+  renormalised. Once every alternative is rejected the token is drawn from what is left; an
+  accepted alternative is followed by a token drawn from the target at its node. Every token is
+  thus distributed exactly as sampling the processed target one token at a time, and more are
+  accepted than by the chain alone. Greedy (`temperature == 0`): an alternative is accepted when
+  it is the target's argmax.
+
+  Returns (result, path): `result` as `verify`'s (an accepted alternative counts as an accepted
+  draft), `path` int32[B, K+1] the node whose input token sits at each committed position from
+  the root on (the chain's own index, or the accepted alternative's): the caller keeps the
+  caches' entries of those nodes.
+  """
+  batch, k = draft_tokens.shape
+  if alternatives.ndim != 3 or alternatives.shape[:2] != (batch, k):
+    raise ValueError(f"alternatives must be [B, K, W-1] = [{batch}, {k}, W-1], got shape "
+                     f"{alternatives.shape}")
+  alts = alternatives.shape[2]
+  nodes = 1 + k * (alts + 1)
+  if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, nodes):
+    raise ValueError(f"target_logits must be [B, 1 + K * W, V] = [{batch}, {nodes}, V] for K = "
+                     f"{k} and W = {alts + 1}, got shape {target_logits.shape}")
+  chain_logits = target_logits[:, :k + 1]
+  _check_inputs(chain_logits, draft_tokens, draft_probs, temperature, top_k, top_p)
+  draft_tokens = draft_tokens.astype(jnp.int32)
+  alternatives = alternatives.astype(jnp.int32)
+  vocab = target_logits.shape[-1]
+  rows = jnp.arange(batch)
+
+  def alternative_node(n, j):  # node index of alternative j at depth n + 1
+    return 1 + k + n * alts + j
+
+  if temperature == 0:
+    raw = target_logits.astype(jnp.float32)
+    argmax = jnp.argmax(raw, axis=-1).astype(jnp.int32)  # [B, nodes]
+    n = _leading_true(draft_tokens == argmax[:, :k])
+    want = jnp.take_along_axis(argmax, n[:, None], axis=1)[:, 0]  # the target's token at n
+    cands = alternatives[rows, jnp.minimum(n, k - 1)]  # [B, W-1]
+    hit = (cands == want[:, None]) & (n < k)[:, None]
+    taken = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1)
+    logp_all = jax.nn.log_softmax(raw, axis=-1)
+    bonus = argmax[rows, alternative_node(n, jnp.maximum(taken, 0))]
+    return _tree_emit(draft_tokens, n, taken, want, bonus, logp_all, k, alts, alternatives)
+
+  key_accept, key_alts, key_last, key_bonus = jax.random.split(key, 4)
+  logp = process_logits(target_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+  p_draft = jnp.exp(jnp.take_along_axis(logp[:, :k], draft_tokens[..., None], axis=-1)[..., 0])
+  u = jax.random.uniform(key_accept, (batch, k), jnp.float32)
+  if draft_probs is None:
+    accept = u < p_draft
+  else:
+    q = draft_probs.astype(jnp.float32)
+    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    accept = (u * q_draft < p_draft) | ((p_draft >= q_draft) & (p_draft > 0))
+  n = _leading_true(accept)
+  rejected = n < k
+  p_n = jnp.exp(logp[rows, n])  # [B, V]
+  n_draft = jnp.minimum(n, k - 1)
+  if draft_probs is None:
+    q_n = (jnp.arange(vocab)[None, :] == draft_tokens[rows, n_draft][:, None]).astype(jnp.float32)
+  else:
+    q_n = q[rows, n_draft]
+  q_n = jnp.where(rejected[:, None], q_n, 0.0)
+  residual = jnp.maximum(p_n - q_n, 0.0)
+  residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+  # the alternatives at depth n + 1, each against what the residual still owes
+  cands = alternatives[rows, n_draft]  # [B, W-1]
+  u_alt = jax.random.uniform(key_alts, (batch, max(alts, 1)), jnp.float32)
+  taken = jnp.full((batch,), -1, jnp.int32)
+  for j in range(alts):
+    x = cands[:, j]
+    mass = residual[rows, x]
+    total = jnp.sum(residual, axis=-1)
+    take = rejected & (taken < 0) & (u_alt[:, j] * total < mass) & (mass > 0)
+    taken = jnp.where(take, j, taken)
+    residual = residual.at[rows, x].set(0.0)
+  # rows that took no alternative draw from what is left (every alternative's mass removed); an
+  # all-zero remainder only where an alternative was taken, whose draw is not used
+  left = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+  last = jax.random.categorical(key_last, jnp.log(left), axis=-1).astype(jnp.int32)
+  bonus_logp = logp[rows, alternative_node(n, jnp.maximum(taken, 0))]  # [B, V]
+  bonus = jax.random.categorical(key_bonus, bonus_logp, axis=-1).astype(jnp.int32)
+  return _tree_emit(draft_tokens, n, taken, last, bonus, logp, k, alts, alternatives)
+
+
+def _tree_emit(draft_tokens, n, taken, last, bonus, logp_all, k: int, alts: int,
+               alternatives) -> tuple[VerifyResult, jax.Array]:
+  """The emitted tokens of a tree verify: the chain's first n drafts, then either alternative
+  `taken` (>= 0) at depth n + 1 followed by `bonus`, or `last`; and the path of nodes."""
+  batch = draft_tokens.shape[0]
+  rows = jnp.arange(batch)
+  took = taken >= 0
+  alt_node = 1 + k + n * alts + jnp.maximum(taken, 0)
+  alt_tok = alternatives[rows, jnp.minimum(n, k - 1), jnp.maximum(taken, 0)] if alts else last
+  pos = jnp.arange(k + 1)[None, :]
+  nn = n[:, None]
+  path = jnp.where(took[:, None] & (pos == nn + 1), alt_node[:, None], pos).astype(jnp.int32)
+  drafts = jnp.concatenate([draft_tokens, jnp.zeros((batch, 1), jnp.int32)], axis=1)
+  at_n = jnp.where(took, alt_tok, last)
+  tokens = jnp.where(pos < nn, drafts, jnp.where(pos == nn, at_n[:, None], 0))
+  tokens = jnp.where(took[:, None] & (pos == nn + 1), bonus[:, None], tokens).astype(jnp.int32)
+  num_accepted = (n + took).astype(jnp.int32)
+  # each emitted token is scored by the node before it on the path
+  node_logp = jnp.take_along_axis(logp_all, path[..., None], axis=1)  # [B, K+1, V]
+  lp = jnp.take_along_axis(node_logp, tokens[..., None], axis=-1)[..., 0]
+  lp = jnp.where(pos <= num_accepted[:, None], lp, 0.0).astype(jnp.float32)
+  return VerifyResult(tokens=tokens, num_accepted=num_accepted, logprobs=lp), path

@@ -18,11 +18,12 @@ from flax import nnx, struct
 
 from specjax.models.cache import KVCache
 from specjax.models.paged import NO_PAGE, POOL_AXES, PagedKV
+from specjax.models.tree import DraftTree
 from specjax.sampling.core import SamplingConfig, is_eos, prefill
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.processing import sample_token
-from specjax.sampling.rejection import verify
+from specjax.sampling.rejection import verify, verify_tree
 from specjax.sharding.rules import K_CACHE_AXES, V_CACHE_AXES, with_logical_constraint
 
 
@@ -227,15 +228,20 @@ def ar_step(target, drafter: Drafter | None, drafter_params, cfg: SamplingConfig
 def speculative_step(target, drafter: Drafter, drafter_params, cfg: SamplingConfig, key,
                      s: EngineState) -> EngineState:
   """K = drafter.draft_len >= 1: draft, one target forward over [last, drafts], verify, commit
-  num_accepted + 1 tokens per row."""
+  num_accepted + 1 tokens per row. With `drafter.tree_width` > 1 the forward scores a draft tree
+  (`tree_forward`)."""
   key_draft, key_verify = jax.random.split(key)
-  drafts, draft_probs, dstate = drafter.propose(drafter_params, s.drafter_state, s.seq,
-                                                key_draft)
   last = _last_token(s.seq)
-  inputs = jnp.concatenate([last, drafts.astype(jnp.int32)], axis=1)  # [b, K+1]
-  out = target(inputs, cache=s.cache)
-  res = verify(key_verify, out.logits, drafts, draft_probs, temperature=cfg.temperature,
-               top_k=cfg.top_k, top_p=cfg.top_p)
+  if drafter.tree_width > 1:
+    res, inputs, out, dstate = tree_forward(target, drafter, drafter_params, cfg, key_draft,
+                                            key_verify, s, last)
+  else:
+    drafts, draft_probs, dstate = drafter.propose(drafter_params, s.drafter_state, s.seq,
+                                                  key_draft)
+    inputs = jnp.concatenate([last, drafts.astype(jnp.int32)], axis=1)  # [b, K+1]
+    out = target(inputs, cache=s.cache)
+    res = verify(key_verify, out.logits, drafts, draft_probs, temperature=cfg.temperature,
+                 top_k=cfg.top_k, top_p=cfg.top_p)
   paused = paused_rows(s, drafter.draft_len)
   commit, lengths, done, seq = _commit(s, cfg, res.tokens, res.logprobs, res.num_accepted + 1,
                                        paused)
@@ -247,6 +253,30 @@ def speculative_step(target, drafter: Drafter, drafter_params, cfg: SamplingConf
                    logprobs=scatter(s.logprobs, res.logprobs, s.lengths, commit),
                    lengths=lengths, done=done, drafter_state=dstate,
                    counts=s.counts.update(res.num_accepted, ~s.done & ~paused))
+
+
+def tree_forward(target, drafter: Drafter, drafter_params, cfg: SamplingConfig, key_draft,
+                 key_verify, s: EngineState, last: jax.Array):
+  """Draft a tree (`Drafter.propose_tree`), score its nodes in one target forward, verify it
+  (`rejection.verify_tree`) and keep the accepted path's cache entries where a chain's would be.
+  Returns (result, the path's input tokens [b, K+1], the forward's output on the path (its
+  logits, hidden and aux_hidden gathered to path order, as the drafter observes a chain), the
+  drafter state)."""
+  drafts, draft_probs, alternatives, dstate = drafter.propose_tree(
+      drafter_params, s.drafter_state, s.seq, key_draft)
+  tree = DraftTree(drafter.draft_len, drafter.tree_width)
+  b = drafts.shape[0]
+  nodes = jnp.concatenate([last, drafts.astype(jnp.int32),
+                           alternatives.reshape(b, -1).astype(jnp.int32)], axis=1)
+  out = target(nodes, cache=s.cache, tree=tree)
+  res, path = verify_tree(key_verify, out.logits, drafts, draft_probs, alternatives,
+                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  along = lambda x: jnp.take_along_axis(x, path.reshape(path.shape + (1,) * (x.ndim - 2)),
+                                        axis=1)
+  out = out.replace(logits=along(out.logits), hidden=along(out.hidden),
+                    aux_hidden=along(out.aux_hidden),
+                    cache=out.cache.keep_path(path, tree.nodes))
+  return res, along(nodes), out, dstate
 
 
 # -- a segment ----------------------------------------------------------------------------------
@@ -300,9 +330,9 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
     if isinstance(s.cache, PagedKV):
       paused = jnp.sum(paused_rows(s, k))
       ok &= (paused < jnp.maximum(stop_at_paused, 1)) & (paused < jnp.sum(live))
-    if window:  # a step writes cache positions up to seq.lengths - 1 + K
+    if window:  # a step writes cache positions up to seq.lengths - 1 + K (a tree: its nodes)
       longest = jnp.max(jnp.where(live, s.seq.lengths, 0))
-      ok &= longest + k <= window
+      ok &= longest + (drafter.write_span if k > 0 else 0) <= window
     return ok
 
   def body(carry):

@@ -24,7 +24,8 @@ from specjax.sampling.engine_config import EngineConfig
 
 
 def required_cache_size(prompt_width: int, max_new_tokens: int, draft_len: int) -> int:
-  """Prompt + completion + the K+1 positions a verify step writes past a row's end."""
+  """Prompt + completion + the K+1 positions a verify step writes past a row's end (a draft
+  tree: `draft_len` is its drafted nodes, `Drafter.write_span`)."""
   return prompt_width + max_new_tokens + draft_len + 1
 
 
@@ -54,6 +55,16 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"draft_len K must be an int >= 1, got {k!r}")
   k_max = (engine.max_draft_len or k) if engine.adaptive else k  # the one place it is resolved
+  if not isinstance(drafter.tree_width, int) or drafter.tree_width < 1:
+    raise ValueError(f"drafter.tree_width must be an int >= 1, got {drafter.tree_width!r}")
+  if drafter.tree_width > 1:
+    if not drafter.drafts_trees:
+      raise ValueError(f"drafter.tree_width={drafter.tree_width}: {type(drafter).__name__} "
+                       f"drafts chains only (tree_width 1)")
+    if engine.kv_cache_gb > 0:
+      raise ValueError(f"drafter.tree_width={drafter.tree_width}: draft trees are verified "
+                       f"over dense caches; set EngineConfig.kv_cache_gb to 0 or tree_width "
+                       f"to 1")
   drafter = dataclasses.replace(drafter, draft_len=k_max, temperature=cfg.temperature)
   vocab = nnx.merge(graphdef, params).cfg.vocab_size
   if drafter.vocab_size is not None and drafter.vocab_size != vocab:
@@ -61,10 +72,10 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
                      f"vocab_size={vocab}: drafter and target must share one vocabulary")
   prompts = jnp.asarray(prompts, jnp.int32)
   prompt_lengths = jnp.asarray(prompt_lengths, jnp.int32)
-  needed = required_cache_size(prompts.shape[1], cfg.max_new_tokens, k_max)
+  needed = required_cache_size(prompts.shape[1], cfg.max_new_tokens, drafter.write_span)
   cache_size = needed if cache_size is None else int(cache_size)
   check_prompts(prompts, prompt_lengths, cache_size, needed,
                 f"prompt width {prompts.shape[1]} + max_new_tokens {cfg.max_new_tokens} + "
-                f"draft_len {k_max} + 1")
+                f"draft_len {k_max}{f' x tree_width {drafter.tree_width}' if drafter.tree_width > 1 else ''} + 1")
   return run_engine(graphdef, params, drafter, drafter_params, prompts, prompt_lengths, key, cfg,
                     cache_size, engine, mesh, tuning)
