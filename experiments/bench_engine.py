@@ -273,7 +273,8 @@ def arm_record(times, out, compiled, tokens, first_call_s) -> dict:
   for s in out.segments:
     ks[s.bucket][s.draft_len] += s.iterations
   rec["k_per_bucket"] = {str(b): c.most_common(1)[0][0] for b, c in sorted(ks.items())}
-  rec["segments"] = [{"bucket": s.bucket, "draft_len": s.draft_len, "window": s.window,
+  rec["segments"] = [{"bucket": s.bucket, "draft_len": s.draft_len,
+                      "tree_width": s.tree_width, "window": s.window,
                       "iterations": s.iterations, "live_rows_start": s.live_rows_start,
                       "seconds": s.seconds, "tokens": s.tokens,
                       "expected_tokens_per_s": s.expected_tokens_per_s} for s in out.segments]

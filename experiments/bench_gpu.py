@@ -44,9 +44,12 @@ What each figure is:
   grown policy's new layers do), so a draft model made of its first --draft-layers layers
   computes the target's distribution exactly and drafts are accepted (acceptance length close to
   K + 1) while the target still reads all its weights every step. Arms: AR (`STATIC`), the
-  speculative plain loop at K = --draft-len, and the adaptive engine (K in 0..--draft-len per
-  segment); tokens/s (of the fastest of --repeats calls after the first) and first-call seconds
-  of each.
+  speculative plain loop at K = --draft-len, the adaptive engine (K in 0..--draft-len per
+  segment), and the plain loop verifying the same drafts as a draft tree of --tree-width (the
+  chain plus each depth's next most likely draft tokens: 1 + K * W positions per verify, every
+  chain accepted here, so its tokens/s against `spec_static` is the cost of the wider verify);
+  tokens/s (of the fastest of --repeats calls after the first), step milliseconds and
+  first-call seconds of each.
 - queue (run it by name: `--stages queue`): a GRPO-shaped queue at --queue-model, the
   speculative stage's target (drafts accepted): --queue-prompts prompts x --queue-group samples
   at temperature 1, --queue-new-tokens at most, an EOS set of random token ids sized so that
@@ -63,6 +66,7 @@ What each figure is:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -109,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--spec-batches", nargs="+", type=int, default=[1, 64])
   p.add_argument("--draft-len", type=int, default=4)
   p.add_argument("--draft-layers", type=int, default=2)
+  p.add_argument("--tree-width", type=int, default=3,
+                 help="speculative stage: also the plain loop verifying the drafts as a tree of "
+                      "this width (1: no tree arm)")
   p.add_argument("--stages", nargs="+", default=["paged", "decode", "context", "spec"],
                  help="stages to run, in this order: paged, decode (every --models shape), "
                       "decode=SHAPE (one shape), context, spec, reads")
@@ -153,7 +160,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    queue_prompt_len=8, queue_new_tokens=64, queue_repeats=1, queue_buckets=1,
                    stages=["paged", "decode", "context", "spec", "reads", "queue"])
   a = p.parse_args(argv)
-  for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "paged_batch",
+  for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "tree_width",
+               "paged_batch",
                "paged_context", "repeats", "context_len", "queue_prompts", "queue_group",
                "queue_slots", "queue_prompt_len", "queue_new_tokens", "queue_buckets",
                "queue_repeats"):
@@ -392,6 +400,10 @@ def spec_stage(a, results: dict) -> None:
             model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
             engine=EngineConfig(max_buckets=1), tuning=tuning),
     }
+    if a.tree_width > 1:  # the same drafts verified as a tree: what its wider verify costs
+      tree = dataclasses.replace(draft, tree_width=a.tree_width)
+      arms["spec_tree_static"] = lambda i: speculative_generate(
+          model, tree, dparams, prompts, lengths, jax.random.key(i), scfg, engine=STATIC)
     row = {"batch": b, "draft_len": a.draft_len, "draft_layers": a.draft_layers, "arms": {}}
     for name, fn in arms.items():
       if over_budget(a, f"speculative {name} batch {b}", results):
@@ -404,6 +416,8 @@ def spec_stage(a, results: dict) -> None:
         m = AcceptanceMetrics.from_counts(out.stats)
         rec["acceptance_length"] = m.acceptance_length if m.num_drafts else None
         rec["k_per_segment"] = [s.draft_len for s in out.segments]
+        steps = sum(s.iterations for s in out.segments)
+        rec["step_ms"] = 1e3 * sum(s.seconds for s in out.segments) / max(steps, 1)
       if "ar" in row["arms"]:
         rec["speedup_vs_ar"] = rec["tokens_per_s"] / row["arms"]["ar"]["tokens_per_s"]
       row["arms"][name] = rec

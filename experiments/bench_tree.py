@@ -3,15 +3,17 @@ as a tree of width W (the chain plus, at each depth, the drafter's W - 1 next mo
 tried where the chain's draft is rejected), at small live batches.
 
   python experiments/bench_tree.py --quick          # batches 1 and 4, widths 1 and 3
-  python experiments/bench_tree.py                  # batches 1, 2, 4, 16; widths 1, 2, 3
+  python experiments/bench_tree.py                  # batches 1, 2, 4; widths 1, 2, 3
 
 The target, workload and drafters are `bench_engine.py`'s (a 25.7M-parameter Markov-language
 target, temperature 1, long-tailed lengths; `draft_model`: its first layer; `eagle3`: a head
 trained offline by the TTT loss). Per batch and drafter, arms `<drafter>_w<W>`: the plain loop at
 fixed K (`--k`), every row stepped to the end (so the live batch is the batch), and
 `<drafter>_w<W>_adaptive`: the engine's defaults (compaction, K chosen per bucket from measured
-costs). Arms run interleaved (`bench_engine.interleaved_runs`) after an untimed call each.
-Prints a table, writes JSON. Asserts nothing.
+costs; with W > 1 the chain or the tree per segment, whichever promises more). Arms run
+interleaved (`bench_engine.interleaved_runs`) after an untimed call each; tokens/s over the timed
+calls, and of the last call's steps the seconds and tokens per step and the share of drafting
+steps that verified a tree. Prints a table, writes JSON. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig
 def parse_args(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--quick", action="store_true", help="batches 1 and 4, widths 1 and 3")
-  p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 16])
+  p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
   p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3])
   p.add_argument("--k", type=int, default=3, help="K of the plain-loop arms")
   p.add_argument("--max-draft-len", type=int, default=4, help="largest K of the adaptive arms")
@@ -108,8 +110,9 @@ def main(argv=None) -> dict:
   for batch in a.batches:
     prompts, lens = be.make_prompts(b, rng, batch)
     key = lambda i: jax.random.key(a.seed * 1000 + i)
-    arms = {}
-    for name, (drafter, params) in drafters.items():
+    runs = {}
+    for name, (drafter, params) in drafters.items():  # one drafter's arms at a time
+      arms = {}
       for w in a.widths:
         d = dataclasses.replace(drafter, tree_width=w)
         arms[f"{name}_w{w}"] = lambda i, d=d, p=params: speculative_generate(
@@ -119,31 +122,52 @@ def main(argv=None) -> dict:
               speculative_generate(target, d, p, prompts, lens, key(i), cfg,
                                    draft_len=a.max_draft_len,
                                    engine=EngineConfig(compile_ahead=True), tuning=t)
-    log(f"batch {batch}: {len(arms)} arms")
-    runs = {n: be.arm_record(*r) for n, r in be.interleaved_runs(arms, a.repeats).items()}
+      log(f"batch {batch}, {name}: {len(arms)} arms")
+      runs.update({n: be.arm_record(*r) for n, r in be.interleaved_runs(arms, a.repeats).items()})
+      # the arms' programs go: one drafter's arms compile many (bucket, K, width) programs, and
+      # several drafters' and batches' worth of them exhaust the process's memory maps
+      arms = None
+      jax.clear_caches()
+    for rec in runs.values():  # the last rollout's steps: their cost, their yield, the trees
+      segs = rec["segments"]
+      steps = max(sum(g["iterations"] for g in segs), 1)
+      rec["ms_per_step"] = 1e3 * sum(g["seconds"] for g in segs) / steps
+      rec["tokens_per_step"] = sum(g["tokens"] for g in segs) / steps
+      drafting = [g for g in segs if g["draft_len"] > 0]
+      rec["tree_step_share"] = sum(g["iterations"] for g in drafting if g["tree_width"] > 1) / \
+          max(sum(g["iterations"] for g in drafting), 1)
     for n, rec in runs.items():
       chain = runs[_chain_of(n)]
       rec["vs_chain_tokens_per_s"] = rec["tokens_per_s"] / chain["tokens_per_s"]
       rec["vs_chain_paired"] = be.paired_ratio(chain, rec) if rec is not chain else 1.0
       log(f"  {n:26s} {rec['tokens_per_s']:8.1f} tok/s  x{rec['vs_chain_tokens_per_s']:.2f} "
           f"of the chain  acc.len {rec['acceptance_length']:.2f}  K/bucket "
-          f"{rec['k_per_bucket']}")
+          f"{rec['k_per_bucket']}  tree steps {rec['tree_step_share']:.0%}")
     results[str(batch)] = runs
-  summary = {"machine": be.machine(), "command": "python experiments/bench_tree.py "
-             + " ".join(sys.argv[1:] if argv is None else argv),
-             "config": {"k": a.k, "max_draft_len": a.max_draft_len, "widths": a.widths,
-                        "batches": a.batches, "max_new": a.max_new,
-                        "length_quantiles": quantiles, "drafters": a.drafters},
-             "target_params": cfg_m.num_params(), "batches": results,
-             "wall_s": time.perf_counter() - t_start}
+    write(a, summary_of(a, cfg_m, quantiles, results, t_start))  # each batch as it ends
+  summary = summary_of(a, cfg_m, quantiles, results, t_start)
   print_table(summary)
+  write(a, summary)
+  log(f"wrote {a.out} ({summary['wall_s']:.0f} s)")
+  return summary
+
+
+def summary_of(a, cfg_m, quantiles, results: dict, t_start: float) -> dict:
+  return {"machine": be.machine(), "command": "python experiments/bench_tree.py "
+          + " ".join(sys.argv[1:]),
+          "config": {"k": a.k, "max_draft_len": a.max_draft_len, "widths": a.widths,
+                     "batches": a.batches, "max_new": a.max_new,
+                     "length_quantiles": quantiles, "drafters": a.drafters},
+          "target_params": cfg_m.num_params(), "batches": results,
+          "wall_s": time.perf_counter() - t_start}
+
+
+def write(a, summary: dict) -> None:
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
   tmp = a.out + ".tmp"
   with open(tmp, "w") as f:
     json.dump(summary, f, indent=1, default=float)
   os.replace(tmp, a.out)
-  log(f"wrote {a.out} ({summary['wall_s']:.0f} s)")
-  return summary
 
 
 def _chain_of(arm: str) -> str:
@@ -155,13 +179,14 @@ def _chain_of(arm: str) -> str:
 def print_table(s: dict) -> None:
   print(f"\n{s['target_params'] / 1e6:.1f}M-parameter target, {s['machine']}")
   print("| batch | arm | tokens/s | x chain (tokens/s) | x chain (paired time) | acc. length | "
-        "K per bucket |")
-  print("|---:|---|---:|---:|---:|---:|---|")
+        "ms / step | tokens / step | K per bucket | tree steps |")
+  print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
   for batch, runs in s["batches"].items():
     for n, r in runs.items():
       print(f"| {batch} | {n} | {r['tokens_per_s']:.1f} | {r['vs_chain_tokens_per_s']:.2f}x | "
             f"{r['vs_chain_paired']:.2f}x | {r['acceptance_length']:.2f} | "
-            f"{r['k_per_bucket']} |")
+            f"{r['ms_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['k_per_bucket']} | "
+            f"{r['tree_step_share']:.0%} |")
 
 
 if __name__ == "__main__":

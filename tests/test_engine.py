@@ -15,7 +15,8 @@ from specjax.sampling import (STATIC, Drafter, EngineConfig, EngineTuning, Sampl
 from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine as eng
 from specjax.sampling import buckets
-from specjax.sampling.adaptive import AcceptanceEstimate, best_draft_len
+from specjax.sampling.adaptive import (AcceptanceEstimate, DraftLenPolicy, DraftShapePolicy,
+                                      best_draft_len)
 from specjax.sharding import MeshConfig, make_mesh, shard_model
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -192,6 +193,34 @@ def test_best_draft_length_trades_expected_tokens_against_step_cost():
   nothing_accepted = {0: 1.0, 1: 1.01, 2: 1.02}
   noisy_costs = {0: 1.0, 1: 0.99, 2: 0.995}  # timing noise: a verify measured "cheaper" than AR
   assert best_draft_len(nothing_accepted, noisy_costs, live=1, min_gain=0.05)[0] == 0
+
+
+def test_a_draft_tree_runs_only_where_its_acceptance_pays_for_its_wider_verify():
+  engine = EngineConfig()
+
+  def policy(chain_hits, tree_hits):
+    """Chain and tree estimates after 100 drafts each, `*_hits` accepted at positions 0..2."""
+    policies = {}
+    for w, hits in ((1, chain_hits), (3, tree_hits)):
+      est = AcceptanceEstimate(3, engine.prior_acceptance, engine.prior_weight)
+      if hits is not None:
+        est.add(3, 100.0, np.asarray(hits, np.float64))
+      policies[w] = DraftLenPolicy((0, 1, 2, 3), est, engine)
+    return DraftShapePolicy(policies, engine)
+
+  # a step costs 1.0 + 0.1 per verified position (1 + K * width of them)
+  cost = lambda k, w: 1.0 + 0.1 * k * w
+  # the tree's alternatives add little: its wider verify does not pay
+  k, w, _ = policy([60, 36, 22], [62, 38, 23]).choose(cost, live=1)
+  assert w == 1 and k > 0
+  # they add much: the tree runs
+  k, w, _ = policy([40, 16, 6], [85, 70, 58]).choose(cost, live=1)
+  assert (k, w) == (3, 3)
+  # the chain measured, the tree not yet: the tree is tried once, to measure it
+  k, w, rate = policy([60, 36, 22], None).choose(cost, live=1)
+  assert w == 3 and k > 0 and np.isnan(rate)
+  # where a verified position costs as much as a step, neither drafts
+  assert policy([60, 36, 22], [62, 38, 23]).choose(lambda k, w: 1.0 + k * w, live=1)[0] == 0
 
 
 def test_buckets_and_windows():

@@ -17,6 +17,7 @@ from specjax.rl.config import (CheckpointConfig, DraftConfig, RLConfig, RolloutC
                                TrainConfig, ValidationConfig, load_config)
 from specjax.rl.grpo import GRPOConfig
 from specjax.rl.loop import iterate_rl, run_rl
+from specjax.rl.rollout import build_drafter
 from specjax.rl.metrics_log import MetricsLogger, append_jsonl, read_metrics
 from specjax.rl.tasks.arithmetic import ArithmeticTask
 
@@ -241,6 +242,21 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
   assert RLConfig(steps=10, minibatches=4).optimizer_steps == 40
   with pytest.raises(ValueError, match="RolloutConfig.top_p"):
     RolloutConfig(top_p=0.0)
+  with pytest.raises(ValueError, match="DraftConfig.tree_width"):
+    DraftConfig(tree_width=0)
+  # a draft tree needs a drafter that ranks its candidates, and dense caches
+  model_cfg = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=1,
+                          num_kv_heads=1, head_dim=8, mlp_hidden=16)
+  graphdef = nnx.split(Decoder(model_cfg, rngs=nnx.Rngs(0)))[0]
+  with pytest.raises(ValueError, match="DraftConfig.tree_width=2: the 'ngram' drafter"):
+    build_drafter(RLConfig(draft=DraftConfig(kind="ngram", tree_width=2)), graphdef, model_cfg)
+  with pytest.raises(ValueError, match="DraftConfig.tree_width=2: draft trees .* dense"):
+    build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2),
+                           rollout=RolloutConfig(kv_cache_gb=0.01)), graphdef,
+                  model_cfg.replace(mtp=True))
+  drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2)), graphdef,
+                             model_cfg.replace(mtp=True))
+  assert drafter.tree_width == 2
   bad = tmp_path / "bad.yaml"
   bad.write_text("grpo:\n  group_sise: 4\n")
   with pytest.raises(ValueError, match=r"RLConfig.grpo.group_sise: unknown field"):

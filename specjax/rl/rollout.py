@@ -235,8 +235,8 @@ def engine_summary(rollout: Rollout) -> dict[str, float]:
 def segment_events(rollout: Rollout) -> list[dict]:
   """One record per segment: (bucket, K, window, steps, live rows, expected vs measured
   tokens/s) — each choice of the adaptive engine, for the run's event log."""
-  return [{"bucket": s.bucket, "draft_len": s.draft_len, "window": s.window,
-           "iterations": s.iterations, "live_rows": s.live_rows_start, "tokens": s.tokens,
+  return [{"bucket": s.bucket, "draft_len": s.draft_len, "tree_width": s.tree_width,
+           "window": s.window, "iterations": s.iterations, "live_rows": s.live_rows_start, "tokens": s.tokens,
            "seconds": round(s.seconds, 6), "tokens_per_s": round(s.tokens_per_s, 1),
            "expected_tokens_per_s": None if math.isnan(s.expected_tokens_per_s)
            else round(s.expected_tokens_per_s, 1)} for s in rollout.segments]

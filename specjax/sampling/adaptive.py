@@ -153,6 +153,60 @@ class DraftLenPolicy:
     return min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
 
 
+class DraftShapePolicy:
+  """The choice of (K, tree width) over one rollout: a `DraftLenPolicy` per width, each with its
+  own acceptance estimate (width 1: the drafter's chain; its `tree_width`: the draft tree, whose
+  alternatives raise acceptance at the cost of a wider verify). Each width's policy picks its K;
+  the tree then runs where it promises more tokens/s than the chain by `min_gain` (its costs and
+  acceptance measured like K's), and once before that, so that its acceptance is measured at
+  all. One width: that width's policy alone."""
+
+  def __init__(self, policies: dict[int, DraftLenPolicy], engine: EngineConfig):
+    self.policies, self.engine = policies, engine
+    self.widths = tuple(policies)
+    first = policies[self.widths[0]]
+    self.k_choices, self.adaptive = first.k_choices, first.adaptive
+
+  def estimate(self, width: int) -> AcceptanceEstimate:
+    return self.policies[width].estimate
+
+  @property
+  def retired(self) -> bool:
+    """Every width's policy set the drafter aside (`DraftLenPolicy.choose`)."""
+    return all(p.retired for p in self.policies.values())
+
+  def budget(self, k: int, width: int, j: int) -> int:
+    return self.policies[width].budget(k, j)
+
+  def choose(self, cost: Callable[[int, int], float], live: int) -> tuple[int, int, float]:
+    """(K, width, expected tokens/s); `cost(K, width)` seconds per step."""
+    if len(self.widths) == 1:
+      w = self.widths[0]
+      return _with_width(self.policies[w].choose(lambda k: cost(k, w), live), w)
+    picks = {}
+    for w, policy in self.policies.items():
+      if policy.retired:
+        continue
+      k, _ = policy.choose(lambda k, w=w: cost(k, w), live)
+      rate = live * (policy.estimate.expected_tokens(k) if k else 1.0) / cost(k, w)
+      picks[w] = (k, rate)
+    if not picks:
+      return 0, self.widths[0], float("nan")
+    chain, tree = self.widths[0], self.widths[-1]
+    if tree in picks and picks[tree][0] > 0 and not self.estimate(tree).seen and \
+        (chain not in picks or self.estimate(chain).seen):
+      return picks[tree][0], tree, float("nan")  # measure the tree's acceptance once
+    bar = {w: r / (1.0 + self.engine.min_gain) if w != chain and k > 0 else r
+           for w, (k, r) in picks.items()}
+    w = max(bar, key=bar.get)
+    k = picks[w][0]
+    return k, (w if k > 0 else chain), picks[w][1]
+
+
+def _with_width(choice: tuple[int, float], width: int) -> tuple[int, int, float]:
+  return choice[0], width, choice[1]
+
+
 def best_refill(slots: int, unit: int, step_s: float, finish_rate: float, refill_s: float,
                 row_s: float) -> int:
   """The free slots that should make a segment return to refill them. `slots` are stepped at `step_s` seconds per step whether busy or not; rows finish at

@@ -26,7 +26,7 @@ from flax import nnx, struct
 
 from specjax.models.paged import PagedKV
 from specjax.sampling import paging
-from specjax.sampling.adaptive import DraftLenPolicy, RefillPolicy
+from specjax.sampling.adaptive import DraftLenPolicy, DraftShapePolicy, RefillPolicy
 from specjax.sampling.calibration import EngineTuning
 from specjax.sampling.core import Rollout, SamplingConfig, finish
 from specjax.sampling.buckets import (bucket_sizes, compaction, data_parallel_size,
@@ -174,12 +174,19 @@ class _Run:
     else:
       self.k_max = drafter.draft_len
       k_choices = tuple(range(self.k_max + 1)) if engine.adaptive else (self.k_max,)
-    key = (None if drafter is None else dataclasses.replace(drafter, draft_len=max(self.k_max, 1)),
-           cfg, graphdef)
-    estimate = tuning.estimates.get(key, max(self.k_max, 1), engine)
-    estimate.decay(engine.estimate_decay)
-    self.policy = DraftLenPolicy(k_choices, estimate, engine)
-    self.adaptive = self.policy.adaptive  # K is chosen per segment
+    # the tree widths a segment may verify: the drafter's; adaptive, also the plain chain (1)
+    tree = 1 if drafter is None else drafter.tree_width
+    self.widths = (1, tree) if engine.adaptive and tree > 1 else (tree,)
+    policies = {}
+    for w in self.widths:  # one acceptance estimate per width: a tree accepts more
+      key = (None if drafter is None else
+             dataclasses.replace(drafter, draft_len=max(self.k_max, 1), tree_width=w),
+             cfg, graphdef)
+      estimate = tuning.estimates.get(key, max(self.k_max, 1), engine)
+      estimate.decay(engine.estimate_decay)
+      policies[w] = DraftLenPolicy(k_choices, estimate, engine)
+    self.policy = DraftShapePolicy(policies, engine)
+    self.adaptive = self.policy.adaptive  # K (and the tree width) is chosen per segment
     # the K each bucket compiles and times when it is prepared; another K costs the line
     # through 0 and k_max until a segment runs it
     self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
@@ -187,18 +194,21 @@ class _Run:
     self.segments: list[Segment] = []
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
-  def span(self, k: int) -> int:
-    """Cache positions a step at K writes past a row's last committed token (a draft tree's
-    nodes: `Drafter.write_span`)."""
-    return k * (self.drafter.tree_width if self.drafter is not None else 1)
+  @staticmethod
+  def span(k: int, width: int = 1) -> int:
+    """Cache positions a step at K writes past a row's last committed token (a draft tree of
+    `width`: its drafted nodes, `Drafter.write_span`)."""
+    return k * width
 
   def _segment_args(self, state, key, k: int, window: int, max_iters: int, stop_at_live: int,
-                    stop_at_paused: int, commit: bool = True) -> tuple[tuple, dict]:
+                    stop_at_paused: int, commit: bool = True,
+                    width: int = 1) -> tuple[tuple, dict]:
     observe = k > 0 or (self.drafter is not None and self.drafter.stateful and
                         not self.policy.retired)
     drafter = self.drafter if observe else None
-    if drafter is not None:
-      drafter = dataclasses.replace(drafter, draft_len=max(k, 1))
+    if drafter is not None:  # (K = 0: one AR program whatever the width)
+      drafter = dataclasses.replace(drafter, draft_len=max(k, 1),
+                                    tree_width=width if k > 0 else 1)
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
     return ((self.graphdef, self.params, drafter, self.drafter_params, key, state,
              jnp.int32(max_iters), jnp.int32(stop_at_live)),
@@ -206,40 +216,45 @@ class _Run:
                  commit=jnp.asarray(commit)))
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
-              stop_at_live: int, stop_at_paused: int = 1, commit: bool = True):
-    """Run a segment; it takes `state` (donated: use the returned one). `commit` False: a dry
-    run, whose returned state is `state` as it was (`segment.committed`)."""
+              stop_at_live: int, stop_at_paused: int = 1, commit: bool = True, width: int = 1):
+    """Run a segment (a draft tree of `width` at K > 0); it takes `state` (donated: use the
+    returned one). `commit` False: a dry run, whose returned state is `state` as it was
+    (`segment.committed`)."""
     args, kwargs = self._segment_args(state, key, k, window, max_iters, stop_at_live,
-                                      stop_at_paused, commit)
+                                      stop_at_paused, commit, width)
     return _segment_jit(*args, **kwargs)
 
-  def compile_segment(self, state, k: int, window: int) -> None:
-    """Compile the segment program of (K, window) for `state`'s shapes (its bucket) without
-    running it (a run would take the state); its first run then finds it compiled."""
-    args, kwargs = self._segment_args(state, self.probe_key, k, window, 0, 0, 1)
+  def compile_segment(self, state, k: int, window: int, width: int = 1) -> None:
+    """Compile the segment program of (K, window, width) for `state`'s shapes (its bucket)
+    without running it (a run would take the state); its first run then finds it compiled."""
+    args, kwargs = self._segment_args(state, self.probe_key, k, window, 0, 0, 1, width=width)
     _segment_jit.lower(*args, **kwargs).compile()
 
-  def cost_key(self, bucket: int, k: int) -> tuple:
-    return (self.program_id, bucket, k)
+  def cost_key(self, bucket: int, k: int, width: int = 1) -> tuple:
+    """(program, bucket, K) of a step cost; a tree's programs are another program than the
+    chain's at the same K (K = 0: one program whatever the width)."""
+    if width == 1 or k == 0:
+      return (self.program_id, bucket, k)
+    return (self.costs.program_id((self.program_id, "tree", width)), bucket, k)
 
-  def line_point(self, bucket: int, k: int) -> tuple:
+  def line_point(self, bucket: int, k: int, width: int = 1) -> tuple:
     """(key of K = 0, key of k_max, fraction): where K lies on the line of `CostTable.line`."""
-    return (self.cost_key(bucket, 0), self.cost_key(bucket, self.k_max), k / self.k_max)
+    return (self.cost_key(bucket, 0), self.cost_key(bucket, self.k_max, width), k / self.k_max)
 
-  def cost(self, box: list, bucket: int, k: int, longest: int) -> float:
-    """Seconds per step at (bucket, K): for a timed K, measured on the current state (`box[0]`,
-    which dry runs take and give back: read it again after the call) the first time it is asked
-    for; for another, its own cost once a segment ran it, else the line through the bucket's
-    timed K = 0 and k_max."""
+  def cost(self, box: list, bucket: int, k: int, longest: int, width: int = 1) -> float:
+    """Seconds per step at (bucket, K, tree width): for a timed K, measured on the current state
+    (`box[0]`, which dry runs take and give back: read it again after the call) the first time
+    it is asked for; for another, its own cost once a segment ran it, else the line through the
+    bucket's timed K = 0 and k_max (of that width)."""
     if k not in self.timed_ks:
       for end in (0, self.k_max):
-        self.cost(box, bucket, end, longest)
-      line = self.costs.line(self.cost_key(bucket, k), *self.line_point(bucket, k))
+        self.cost(box, bucket, end, longest, width)
+      key = self.cost_key(bucket, k, width)
+      line = self.costs.line(key, *self.line_point(bucket, k, width))
       # no segment ran this K yet: its cost is a guess and choosing it compiles a program, so it
       # must beat the timed K by min_gain
-      return line if self.costs.has(self.cost_key(bucket, k)) else \
-          line * (1.0 + self.engine.min_gain)
-    window = window_for(longest, self.span(k), self.engine.window_block, self.cache_size)
+      return line if self.costs.has(key) else line * (1.0 + self.engine.min_gain)
+    window = window_for(longest, self.span(k, width), self.engine.window_block, self.cache_size)
 
     def run(m: int) -> tuple[int, float]:
       # a dry run: it steps the state in its own buffers and gives it back as it was, so every
@@ -248,13 +263,13 @@ class _Run:
       jax.block_until_ready(box[0])
       t0 = time.perf_counter()
       box[0], iters = self.segment(box[0], self.probe_key, bucket, k, window, m, 0,
-                                   commit=False)
+                                   commit=False, width=width)
       iters = int(iters)  # (waits for the segment)
       return iters, time.perf_counter() - t0
 
     # (a program compiled ahead has not run yet: the first, untimed run finds it compiled)
-    return self.costs.step_cost(self.cost_key(bucket, k), run, self.engine.calibration_iters,
-                                self.engine.calibration_repeats)
+    return self.costs.step_cost(self.cost_key(bucket, k, width), run,
+                                self.engine.calibration_iters, self.engine.calibration_repeats)
 
   def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
     """Compile the programs of `buckets` (the first is `state`'s own bucket; the others' states
@@ -288,9 +303,11 @@ class _Run:
             for b in buckets[1:]]
     jobs += list(queue_jobs)
     for b in buckets:
-      for k in ks:
-        window = window_for(prompt_len, self.span(k), self.engine.window_block, self.cache_size)
-        jobs.append(lambda b=b, k=k, w=window: self.compile_segment(subs[b], k, w))
+      for k, width in self.shapes(ks):
+        window = window_for(prompt_len, self.span(k, width), self.engine.window_block,
+                            self.cache_size)
+        jobs.append(lambda b=b, k=k, w=window, width=width:
+                    self.compile_segment(subs[b], k, w, width))
     threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
     if threads > 1:
       with concurrent.futures.ThreadPoolExecutor(threads) as pool:
@@ -302,10 +319,14 @@ class _Run:
         # (a dry run takes its state's page buffers and gives them back: they go on to the
         # next bucket and back to `state`)
         box = [paging.with_buffers(subs[b], state)]
-        for k in self.timed_ks:
-          self.cost(box, b, k, prompt_len)
+        for k, width in self.shapes(self.timed_ks):
+          self.cost(box, b, k, prompt_len, width)
         state = paging.with_buffers(state, box[0])
     return state
+
+  def shapes(self, ks) -> list[tuple[int, int]]:
+    """(K, width) of every program the K in `ks` need: K = 0 once, each K > 0 at every width."""
+    return [(k, w) for k in ks for w in (self.widths[:1] if k == 0 else self.widths)]
 
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
     drafter = None if self.drafter is None else \
@@ -516,19 +537,21 @@ class _Run:
         live_mask, seq_lengths, tokens_before, drafts0, acc0, _, homes = summary
       longest = int(seq_lengths.max())
       box = [state]  # (calibration's dry runs take the state and give it back)
-      k, expected = self.policy.choose(lambda k: self.cost(box, bucket, k, longest), live)
-      window = window_for(longest, self.span(k), self.engine.window_block, self.cache_size)
-      j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
-      per_bucket[bucket], last_k[bucket] = j + 1, k
-      max_iters = self.policy.budget(k, j)
-      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k)):
+      k, tw, expected = self.policy.choose(
+          lambda k, w: self.cost(box, bucket, k, longest, w), live)
+      window = window_for(longest, self.span(k, tw), self.engine.window_block, self.cache_size)
+      j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, (k, tw)) else 0
+      per_bucket[bucket], last_k[bucket] = j + 1, (k, tw)
+      max_iters = self.policy.budget(k, tw, j)
+      if k not in self.timed_ks and not self.costs.has(self.cost_key(bucket, k, tw)):
         # its first segment: compile it first, so the timing below holds only steps
-        self.compile_segment(box[0], k, window)
-        self.cost(box, bucket, k, longest)  # (the line's ends are timed, if not yet)
-        self.costs.start_from_line(self.cost_key(bucket, k), *self.line_point(bucket, k))
+        self.compile_segment(box[0], k, window, tw)
+        self.cost(box, bucket, k, longest, tw)  # (the line's ends are timed, if not yet)
+        self.costs.start_from_line(self.cost_key(bucket, k, tw),
+                                   *self.line_point(bucket, k, tw))
       refilling = waiting() > 0 and bucket == slots
       if refilling and refills.costs is not None:  # (K's step cost is measured by now)
-        refill = refills.threshold(self.cost(box, bucket, k, longest))
+        refill = refills.threshold(self.cost(box, bucket, k, longest, tw))
       state = box[0]
       if bucket == slots:  # (`out` held the state the dry runs took)
         out = state
@@ -543,7 +566,7 @@ class _Run:
       paused_rows = pages.paused if paged else 0
       paused = paused_rows + max(refill if waiting() else live // 8, 1)
       state, iters = self.segment(state, jax.random.fold_in(key_loop, len(self.segments)),
-                                  bucket, k, window, max_iters, stop_at_live, paused)
+                                  bucket, k, window, max_iters, stop_at_live, paused, width=tw)
       if bucket == slots:  # (the segment took the state `out` held)
         out = state
       summary = jax.device_get(_summary(state))
@@ -554,11 +577,11 @@ class _Run:
       if refilling:  # (rows ended in this segment: no row joins during one)
         refills.observe(live - int(summary[0].sum()), iters)
       if k > 0:
-        self.policy.estimate.add(k, float(drafts1 - drafts0),
+        self.policy.estimate(tw).add(k, float(drafts1 - drafts0),
                                  np.asarray(acc1 - acc0, np.float64))
       if self.adaptive and not self.policy.retired:  # the costs of the drafter's programs
-        self.costs.refine(self.cost_key(bucket, k), iters, seconds, self.engine.cost_memory)
-      self.segments.append(Segment(bucket=bucket, draft_len=k, window=window,
+        self.costs.refine(self.cost_key(bucket, k, tw), iters, seconds, self.engine.cost_memory)
+      self.segments.append(Segment(bucket=bucket, draft_len=k, tree_width=tw, window=window,
                                    live_rows_start=live, iterations=iters,
                                    tokens=int(tokens_after - tokens_before), seconds=seconds,
                                    expected_tokens_per_s=expected,

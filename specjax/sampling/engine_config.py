@@ -125,6 +125,7 @@ class Segment:
   tokens: int  # tokens committed by the bucket's rows
   seconds: float
   expected_tokens_per_s: float  # what the K choice predicted (nan when not adaptive)
+  tree_width: int = 1  # candidates per depth its verify scored (1: a chain; K = 0: 1)
   # the drafter was set aside for the rest of the rollout: no K > 0 can beat plain AR at the
   # acceptance measured so far, so its state is no longer kept up to date (K = 0 without it)
   drafter_retired: bool = False
