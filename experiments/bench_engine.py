@@ -190,6 +190,24 @@ def fit_head(target, language: MarkovLanguage, rng, steps: int, log) -> float:
   return float(loss)
 
 
+def markov_target(a, log):
+  """The Markov-language target at `a`'s shape and seed (sets `a.language`): the embedding scaled
+  by `a.embed_scale`, each layer's output projections by `a.layer_scale`, the LM head fitted to
+  the language, then an EOS set for long-tailed lengths. Returns (target, its ModelConfig, the
+  rng that drew the head's data and the EOS sample, EOS ids, the length quantiles / max_new)."""
+  cfg_m = model_config(a, a.init_std)
+  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
+  rng = np.random.default_rng(a.seed)
+  a.language = MarkovLanguage(a.vocab, a.seed)
+  target.embed[...] = target.embed[...] * a.embed_scale
+  for layer in target.layers:
+    layer.attn.o_proj[...] = layer.attn.o_proj[...] * a.layer_scale
+    layer.mlp.down[...] = layer.mlp.down[...] * a.layer_scale
+  fit_head(target, a.language, rng, a.head_fit_steps, log)
+  eos, quantiles = choose_eos(a, target, rng)
+  return target, cfg_m, rng, eos, quantiles
+
+
 def make_prompts(a, rng, n_prompts: int) -> tuple[jax.Array, jax.Array]:
   """n_prompts ragged prompts (from the language for a markov target, else random tokens), each
   repeated G times (consecutive rows, as in GRPO)."""

@@ -45,12 +45,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
 
 import bench_engine as be  # noqa: E402
 from bench_io import write_json  # noqa: E402
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
-from specjax.models import Decoder  # noqa: E402
 from specjax.models import cache  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
@@ -113,16 +111,7 @@ def markov_target(a, log):
   target whose LM head is fitted to it, an EOS set for long-tailed lengths, the prompts; sets
   `a.language`): (target, its ModelConfig, EOS ids, the EOS choice's length quantiles / max_new,
   prompts, prompt lengths). `peer_vllm.py --trained-queue` builds the same one."""
-  cfg_m = be.model_config(a, a.init_std)
-  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
-  rng = np.random.default_rng(a.seed)
-  a.language = be.MarkovLanguage(a.vocab, a.seed)
-  target.embed[...] = target.embed[...] * a.embed_scale
-  for layer in target.layers:
-    layer.attn.o_proj[...] = layer.attn.o_proj[...] * a.layer_scale
-    layer.mlp.down[...] = layer.mlp.down[...] * a.layer_scale
-  be.fit_head(target, a.language, rng, a.head_fit_steps, log)
-  eos, quantiles = be.choose_eos(a, target, rng)
+  target, cfg_m, rng, eos, quantiles = be.markov_target(a, log)
   prompts, lens = be.make_prompts(a, rng, a.prompts)
   return target, cfg_m, eos, quantiles, prompts, lens
 

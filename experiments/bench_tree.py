@@ -28,13 +28,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from experiments import bench_engine as be  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, eagle3_drafter,  # noqa: E402
                               train_draft_head, truncated_copy)
-from specjax.models import Decoder  # noqa: E402
 from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig,  # noqa: E402
                               speculative_generate)
 
@@ -77,16 +75,7 @@ def main(argv=None) -> dict:
   log = lambda s: print(s, flush=True)
   t_start = time.perf_counter()
   b = engine_args(a)
-  cfg_m = be.model_config(b, b.init_std)
-  target = Decoder(cfg_m, rngs=nnx.Rngs(a.seed))
-  rng = np.random.default_rng(a.seed)
-  b.language = be.MarkovLanguage(b.vocab, a.seed)
-  target.embed[...] = target.embed[...] * b.embed_scale
-  for layer in target.layers:
-    layer.attn.o_proj[...] = layer.attn.o_proj[...] * b.layer_scale
-    layer.mlp.down[...] = layer.mlp.down[...] * b.layer_scale
-  be.fit_head(target, b.language, rng, b.head_fit_steps, log)
-  eos, quantiles = be.choose_eos(b, target, rng)
+  target, cfg_m, rng, eos, quantiles = be.markov_target(b, log)
   cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=b.temperature, eos_ids=eos)
   log(f"target {cfg_m.num_params() / 1e6:.1f}M, EOS set of {len(eos)}, length quantiles "
       f"{quantiles}")

@@ -125,3 +125,16 @@ def assert_two_sample_same(a: np.ndarray, b: np.ndarray, num_categories: int,
   if res.pvalue < alpha:
     raise AssertionError(f"{what}: the two samples differ at alpha={alpha}: {res.describe()}")
   return res
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+  """Softmax over the last axis (numpy)."""
+  e = np.exp(x - x.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True)
+
+
+def sample_rows(rng: np.random.Generator, probs: np.ndarray) -> np.ndarray:
+  """One draw per row of probs [B, V] (inverse CDF, numpy)."""
+  cdf = np.cumsum(probs, axis=-1)
+  cdf /= cdf[:, -1:]
+  return (rng.random(probs.shape[0])[:, None] > cdf).sum(-1).astype(np.int32)

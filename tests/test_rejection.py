@@ -13,7 +13,7 @@ import pytest
 from specjax.sampling.processing import process_logits
 from specjax.sampling.rejection import VerifyResult, verify
 import stats
-from stats import assert_same_distribution, pair_index
+from stats import assert_same_distribution, pair_index, sample_rows, softmax
 
 NUM_ROWS = 200_000
 DRAFT_LEN = 3
@@ -62,15 +62,15 @@ def _case(setting: str, draft: str):
                             tuple(SETTINGS[setting].items())))
   processed = [both[0], both[1:]]
   if draft == "random":
-    q = [_softmax(1.2 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
+    q = [softmax(1.2 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
   elif draft == "adversarial":  # mass on what the target finds unlikely, filtered tokens included
-    q = [0.8 * _softmax(-2.0 * x) + 0.2 / VOCAB for x in (first_logits, next_logits)]
+    q = [0.8 * softmax(-2.0 * x) + 0.2 / VOCAB for x in (first_logits, next_logits)]
   elif draft == "equal":  # q = p exactly: every draft must be accepted
     q = [np.exp(lp) for lp in processed]
   elif draft == "one_hot":  # point mass on the target's runner-up, given as probabilities
     q = [np.eye(VOCAB)[np.argsort(-x, axis=-1)[..., 1]] for x in (first_logits, next_logits)]
   else:  # deterministic (draft_probs=None): drafts from a near-target drafter, see below
-    q = [_softmax(x + 0.7 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
+    q = [softmax(x + 0.7 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
   q_first, q_next = (np.asarray(x, np.float32) for x in q)
   p_first, p_next = (np.exp(lp.astype(np.float64)) for lp in processed)
   return first_logits, next_logits, q_first, q_next, p_first, p_next
@@ -79,18 +79,6 @@ def _case(setting: str, draft: str):
 def _key(seed: int) -> jax.Array:
   # rbg keys: the same statistics as the default threefry, several times faster to compile on CPU
   return jax.random.key(seed, impl="rbg")
-
-
-def _softmax(x):
-  e = np.exp(x - x.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
-
-
-def _sample_rows(rng, probs):
-  """One draw per row of probs [B, V] (inverse CDF, numpy)."""
-  cdf = np.cumsum(probs, axis=-1)
-  cdf /= cdf[:, -1:]
-  return (rng.random(probs.shape[0])[:, None] > cdf).sum(-1).astype(np.int32)
 
 
 def verify_without_residual(key, target_logits, draft_tokens, draft_probs, **setting):
@@ -125,9 +113,9 @@ def _sampled(setting: str, draft: str, broken: bool = False):
   rng = np.random.default_rng(seed)
   # drafts: a Markov chain from q (a deterministic drafter's proposals may be any function of the
   # context; drawing them at random, independently of the verifier's randomness, covers that)
-  drafts = [_sample_rows(rng, np.broadcast_to(q_first, (NUM_ROWS, VOCAB)))]
+  drafts = [sample_rows(rng, np.broadcast_to(q_first, (NUM_ROWS, VOCAB)))]
   for _ in range(DRAFT_LEN - 1):
-    drafts.append(_sample_rows(rng, q_next[drafts[-1]]))
+    drafts.append(sample_rows(rng, q_next[drafts[-1]]))
   tokens, num_accepted = _verify_chain(
       _key(seed), first_logits, next_logits, q_first, q_next,
       np.stack(drafts, axis=1), setting=tuple(SETTINGS[setting].items()),
@@ -135,7 +123,7 @@ def _sampled(setting: str, draft: str, broken: bool = False):
       verifier=verify_without_residual if broken else verify)
   tokens, num_accepted = np.asarray(tokens), np.asarray(num_accepted)
   first = tokens[:, 0]
-  continuation = _sample_rows(rng, p_next[first])
+  continuation = sample_rows(rng, p_next[first])
   second = np.where(num_accepted >= 1, tokens[:, 1], continuation)
   return first, second, num_accepted, tokens
 
@@ -267,7 +255,7 @@ def test_greedy_ignores_the_key_draft_probs_top_k_and_top_p():
 def _random_problem(batch=64, k=3, vocab=12, seed=0):
   rng = np.random.default_rng(seed)
   logits = rng.standard_normal((batch, k + 1, vocab)).astype(np.float32)
-  probs = _softmax(rng.standard_normal((batch, k, vocab))).astype(np.float32)
+  probs = softmax(rng.standard_normal((batch, k, vocab))).astype(np.float32)
   # half the drafts are the target's argmax so that some rows accept several tokens
   drafts = np.where(rng.random((batch, k)) < 0.5, logits[:, :k].argmax(-1),
                     rng.integers(vocab, size=(batch, k))).astype(np.int32)

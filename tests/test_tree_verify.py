@@ -18,7 +18,7 @@ import pytest
 from specjax.models.tree import DraftTree
 from specjax.sampling.processing import process_logits
 from specjax.sampling.rejection import verify, verify_tree
-from stats import assert_same_distribution, pair_index
+from stats import assert_same_distribution, pair_index, sample_rows, softmax
 
 NUM_ROWS = 200_000
 DRAFT_LEN = 3
@@ -27,17 +27,6 @@ VOCAB = 8
 ALPHA = 1e-4
 SETTINGS = {"temperature_1": dict(temperature=1.0), "top_k_4": dict(temperature=0.8, top_k=4)}
 DRAFTS = ["random", "deterministic", "one_hot"]
-
-
-def _softmax(x):
-  e = np.exp(x - x.max(-1, keepdims=True))
-  return e / e.sum(-1, keepdims=True)
-
-
-def _sample_rows(rng, probs):
-  cdf = np.cumsum(probs, axis=-1)
-  cdf /= cdf[:, -1:]
-  return (rng.random(probs.shape[0])[:, None] > cdf).sum(-1).astype(np.int32)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,7 +41,7 @@ def _case(setting: str, draft: str):
   if draft == "one_hot":  # point mass on the target's runner-up: every chain draft is rare
     q = [np.eye(VOCAB)[np.argsort(-x, axis=-1)[..., 1]] for x in (first_logits, next_logits)]
   else:
-    q = [_softmax(x + 0.9 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
+    q = [softmax(x + 0.9 * rng.standard_normal(x.shape)) for x in (first_logits, next_logits)]
   return first_logits, next_logits, q[0].astype(np.float32), q[1].astype(np.float32), \
       p_first, p_next
 
@@ -106,7 +95,7 @@ def _sampled(setting: str, draft: str, broken: bool = False):
   drafts, alts = [], []
   q_rows = np.broadcast_to(q_first, (NUM_ROWS, VOCAB))
   for _ in range(DRAFT_LEN):
-    drafts.append(_sample_rows(rng, q_rows))
+    drafts.append(sample_rows(rng, q_rows))
     alts.append(_alternatives(q_rows, drafts[-1]))
     q_rows = q_next[drafts[-1]]
   out = _verify(jax.random.key(seed, impl="rbg"), first_logits, next_logits, q_first, q_next,
@@ -114,7 +103,7 @@ def _sampled(setting: str, draft: str, broken: bool = False):
                 deterministic=draft == "deterministic", broken=broken)
   tokens, num_accepted, path, chain_accepted = map(np.asarray, out)
   first = tokens[:, 0]
-  second = np.where(num_accepted >= 1, tokens[:, 1], _sample_rows(rng, p_next[first]))
+  second = np.where(num_accepted >= 1, tokens[:, 1], sample_rows(rng, p_next[first]))
   return first, second, num_accepted, path, chain_accepted
 
 
