@@ -75,6 +75,42 @@ def _leading_true(flags: jax.Array) -> jax.Array:
   return jnp.sum(jnp.cumprod(flags.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
 
 
+def _accept_chain(key: jax.Array, logp: jax.Array, draft_tokens: jax.Array,
+                  draft_probs: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """The chain's rejection sampling: (num_accepted int32[B], the distribution the token at
+  position n = num_accepted is drawn from [B, V] (unnormalised), the processed target there
+  p_n [B, V]). `logp` [B, >= K+1, V] are processed target logprobs at the chain's positions. The
+  draw is the residual max(p - q, 0) after a rejection (n < K), else p (the bonus token). One
+  uniform per draft."""
+  batch, k = draft_tokens.shape
+  vocab = logp.shape[-1]
+  rows = jnp.arange(batch)
+  p_draft = jnp.exp(jnp.take_along_axis(logp[:, :k], draft_tokens[..., None], axis=-1)[..., 0])
+  u = jax.random.uniform(key, (batch, k), jnp.float32)
+  if draft_probs is None:
+    accept = u < p_draft  # min(1, p(x) / 1)
+  else:
+    q = draft_probs.astype(jnp.float32)
+    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
+    # u < p/q without the division; p >= q accepts outright (exact when q == p), but never a
+    # token the processed target excludes
+    accept = (u * q_draft < p_draft) | ((p_draft >= q_draft) & (p_draft > 0))
+  n = _leading_true(accept)
+  rejected = n < k
+  p_n = jnp.exp(logp[rows, n])  # [B, V]
+  n_draft = jnp.minimum(n, k - 1)
+  if draft_probs is None:
+    q_n = (jnp.arange(vocab)[None, :] == draft_tokens[rows, n_draft][:, None]).astype(jnp.float32)
+  else:
+    q_n = q[rows, n_draft]
+  q_n = jnp.where(rejected[:, None], q_n, 0.0)
+  residual = jnp.maximum(p_n - q_n, 0.0)
+  # an all-zero residual means p == q at that position (a rejection there has probability ~0);
+  # falling back to p keeps the draw well defined
+  residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+  return n, residual, p_n
+
+
 def verify(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
            draft_probs: jax.Array | None, *, temperature: float, top_k: int | None = None,
            top_p: float | None = None) -> VerifyResult:
@@ -88,8 +124,7 @@ def verify(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
   """
   _check_inputs(target_logits, draft_tokens, draft_probs, temperature, top_k, top_p)
   draft_tokens = draft_tokens.astype(jnp.int32)
-  batch, k = draft_tokens.shape
-  vocab = target_logits.shape[-1]
+  k = draft_tokens.shape[1]
 
   if temperature == 0:
     raw = target_logits.astype(jnp.float32)
@@ -100,33 +135,7 @@ def verify(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Array,
 
   key_accept, key_resample = jax.random.split(key)
   logp = process_logits(target_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-  p_draft = jnp.exp(jnp.take_along_axis(logp[:, :k], draft_tokens[..., None], axis=-1)[..., 0])
-  u = jax.random.uniform(key_accept, (batch, k), jnp.float32)
-  if draft_probs is None:
-    accept = u < p_draft  # min(1, p(x) / 1)
-  else:
-    q = draft_probs.astype(jnp.float32)
-    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
-    # u < p/q without the division; p >= q accepts outright (exact when q == p), but never a
-    # token the processed target excludes
-    accept = (u * q_draft < p_draft) | ((p_draft >= q_draft) & (p_draft > 0))
-  num_accepted = _leading_true(accept)
-
-  # only position n = num_accepted needs a draw: the residual after a rejection (n < K) or the
-  # bonus token from p at position K
-  rejected = num_accepted < k
-  p_n = jnp.exp(jnp.take_along_axis(logp, num_accepted[:, None, None], axis=1)[:, 0])  # [B, V]
-  n_draft = jnp.minimum(num_accepted, k - 1)
-  if draft_probs is None:
-    d_n = jnp.take_along_axis(draft_tokens, n_draft[:, None], axis=1)  # [B, 1]
-    q_n = (jnp.arange(vocab)[None, :] == d_n).astype(jnp.float32)
-  else:
-    q_n = jnp.take_along_axis(q, n_draft[:, None, None], axis=1)[:, 0]
-  q_n = jnp.where(rejected[:, None], q_n, 0.0)
-  residual = jnp.maximum(p_n - q_n, 0.0)
-  # an all-zero residual means p == q at that position (a rejection there has probability ~0);
-  # falling back to p keeps the draw well defined
-  residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
+  num_accepted, residual, _ = _accept_chain(key_accept, logp, draft_tokens, draft_probs)
   last = jax.random.categorical(key_resample, jnp.log(residual), axis=-1).astype(jnp.int32)
   return _emit(draft_tokens, num_accepted, last, logp)
 
@@ -167,7 +176,6 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
   _check_inputs(chain_logits, draft_tokens, draft_probs, temperature, top_k, top_p)
   draft_tokens = draft_tokens.astype(jnp.int32)
   alternatives = alternatives.astype(jnp.int32)
-  vocab = target_logits.shape[-1]
   rows = jnp.arange(batch)
 
   def alternative_node(n, j):  # node index of alternative j at depth n + 1
@@ -185,27 +193,13 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
     bonus = argmax[rows, alternative_node(n, jnp.maximum(taken, 0))]
     return _tree_emit(draft_tokens, n, taken, want, bonus, logp_all, k, alts, alternatives)
 
-  key_accept, key_alts, key_last, key_bonus = jax.random.split(key, 4)
+  # (the chain draws its uniforms as `verify` does: the same key decides the same chain)
+  key_accept, key_rest = jax.random.split(key)
+  key_alts, key_last, key_bonus = jax.random.split(key_rest, 3)
   logp = process_logits(target_logits, temperature=temperature, top_k=top_k, top_p=top_p)
-  p_draft = jnp.exp(jnp.take_along_axis(logp[:, :k], draft_tokens[..., None], axis=-1)[..., 0])
-  u = jax.random.uniform(key_accept, (batch, k), jnp.float32)
-  if draft_probs is None:
-    accept = u < p_draft
-  else:
-    q = draft_probs.astype(jnp.float32)
-    q_draft = jnp.take_along_axis(q, draft_tokens[..., None], axis=-1)[..., 0]
-    accept = (u * q_draft < p_draft) | ((p_draft >= q_draft) & (p_draft > 0))
-  n = _leading_true(accept)
+  n, residual, p_n = _accept_chain(key_accept, logp, draft_tokens, draft_probs)
   rejected = n < k
-  p_n = jnp.exp(logp[rows, n])  # [B, V]
   n_draft = jnp.minimum(n, k - 1)
-  if draft_probs is None:
-    q_n = (jnp.arange(vocab)[None, :] == draft_tokens[rows, n_draft][:, None]).astype(jnp.float32)
-  else:
-    q_n = q[rows, n_draft]
-  q_n = jnp.where(rejected[:, None], q_n, 0.0)
-  residual = jnp.maximum(p_n - q_n, 0.0)
-  residual = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
   # the alternatives at depth n + 1, each against what the residual still owes
   cands = alternatives[rows, n_draft]  # [B, W-1]
   u_alt = jax.random.uniform(key_alts, (batch, max(alts, 1)), jnp.float32)
