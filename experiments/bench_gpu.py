@@ -408,7 +408,12 @@ def spec_stage(a, results: dict) -> None:
     for name, fn in arms.items():
       if over_budget(a, f"speculative {name} batch {b}", results):
         break
-      first, call, out, calls = timed_calls(fn, a.repeats)
+      try:
+        first, call, out, calls = timed_calls(fn, a.repeats)
+      except Exception as e:  # e.g. out of memory: keep the other arms and stages
+        row["arms"][name] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+        log(f"spec {shape} batch {b:3d} {name}: failed ({row['arms'][name]['error'][:200]})")
+        continue
       tokens = int(np.asarray(out.lengths).sum())
       rec = {"first_call_s": first, "call_s": call, "calls_s": calls, "tokens_per_s": tokens / call,
              "forward_steps": int(out.num_steps), "peak_memory_gb": peak_memory_gb()}
@@ -418,7 +423,7 @@ def spec_stage(a, results: dict) -> None:
         rec["k_per_segment"] = [s.draft_len for s in out.segments]
         steps = sum(s.iterations for s in out.segments)
         rec["step_ms"] = 1e3 * sum(s.seconds for s in out.segments) / max(steps, 1)
-      if "ar" in row["arms"]:
+      if "tokens_per_s" in row["arms"].get("ar", {}):
         rec["speedup_vs_ar"] = rec["tokens_per_s"] / row["arms"]["ar"]["tokens_per_s"]
       row["arms"][name] = rec
       log(f"spec {shape} batch {b:3d} {name:13s}: {rec['tokens_per_s']:9.0f} tok/s  first call "
