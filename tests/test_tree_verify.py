@@ -2,10 +2,11 @@
 distributions (statistical), greedy, the path it returns, bad inputs.
 
 Statistical checks: 200k rows per case in one jit, fixed seeds, chi-square at ALPHA per check
-(13 checks: family-wise false-failure rate <= 13 * ALPHA < 0.2%). The target is a Markov chain as
+(19 checks: family-wise false-failure rate <= 19 * ALPHA < 0.2%). The target is a Markov chain as
 in test_rejection.py: target_logits at a node are the chain's row of the node's token, so the
 (first, second) pair of a sequence must follow p(x1) p(x2 | x1) whichever node the second token
-came from.
+came from, and the last pair (the bonus token after a whole accepted chain among them) the
+chain's marginal there times p(x | previous).
 """
 
 import functools
@@ -102,9 +103,12 @@ def _sampled(setting: str, draft: str, broken: bool = False):
                 np.stack(drafts, 1), np.stack(alts, 1), setting=tuple(SETTINGS[setting].items()),
                 deterministic=draft == "deterministic", broken=broken)
   tokens, num_accepted, path, chain_accepted = map(np.asarray, out)
-  first = tokens[:, 0]
-  second = np.where(num_accepted >= 1, tokens[:, 1], sample_rows(rng, p_next[first]))
-  return first, second, num_accepted, path, chain_accepted
+  # each row's sequence over DRAFT_LEN + 1 positions: the emitted tokens, then the target's own
+  # continuation past them (so every position's joint with the next is known)
+  seq = tokens.copy()
+  for i in range(1, DRAFT_LEN + 1):
+    seq[:, i] = np.where(num_accepted >= i, tokens[:, i], sample_rows(rng, p_next[seq[:, i - 1]]))
+  return seq, num_accepted, path, chain_accepted
 
 
 GRID = [(s, d) for s in SETTINGS for d in DRAFTS]
@@ -112,17 +116,24 @@ GRID = [(s, d) for s in SETTINGS for d in DRAFTS]
 
 @pytest.mark.parametrize("setting,draft", GRID)
 def test_tree_verification_keeps_the_target_distribution(setting, draft):
-  first, second, *_ = _sampled(setting, draft)
+  seq, *_ = _sampled(setting, draft)
   *_, p_first, p_next = _case(setting, draft)
-  assert_same_distribution(first, p_first, ALPHA, what=f"first token {setting}/{draft}")
-  assert_same_distribution(pair_index(first, second, VOCAB),
+  assert_same_distribution(seq[:, 0], p_first, ALPHA, what=f"first token {setting}/{draft}")
+  assert_same_distribution(pair_index(seq[:, 0], seq[:, 1], VOCAB),
                            (p_first[:, None] * p_next).reshape(-1), ALPHA,
                            what=f"(first, second) {setting}/{draft}")
+  # the last two positions: the bonus token after a whole accepted chain comes last
+  marginal = p_first
+  for _ in range(DRAFT_LEN - 1):
+    marginal = marginal @ p_next
+  assert_same_distribution(pair_index(seq[:, -2], seq[:, -1], VOCAB),
+                           (marginal[:, None] * p_next).reshape(-1), ALPHA,
+                           what=f"(token {DRAFT_LEN - 1}, token {DRAFT_LEN}) {setting}/{draft}")
 
 
 @pytest.mark.parametrize("setting,draft", GRID)
 def test_alternatives_add_accepted_tokens_to_the_chains(setting, draft):
-  _, _, num_accepted, path, chain_accepted = _sampled(setting, draft)
+  _, num_accepted, path, chain_accepted = _sampled(setting, draft)
   # the chain part of the tree decides as `verify` does (the same uniforms): a row accepts at
   # least the chain's count, and one more exactly where an alternative was taken
   took = np.take_along_axis(path, np.minimum(num_accepted, DRAFT_LEN)[:, None], 1)[:, 0] > \
@@ -133,7 +144,8 @@ def test_alternatives_add_accepted_tokens_to_the_chains(setting, draft):
 
 
 def test_accepting_alternatives_by_the_target_instead_of_the_residual_fails_the_check():
-  first, *_ = _sampled("temperature_1", "random", broken=True)
+  seq, *_ = _sampled("temperature_1", "random", broken=True)
+  first = seq[:, 0]
   p_first = _case("temperature_1", "random")[4]
   with pytest.raises(AssertionError, match="not distributed as expected"):
     assert_same_distribution(first, p_first, ALPHA, what="broken tree verifier")

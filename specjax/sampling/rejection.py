@@ -210,9 +210,11 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
     total = jnp.sum(residual, axis=-1)
     take = rejected & (taken < 0) & (u_alt[:, j] * total < mass) & (mass > 0)
     taken = jnp.where(take, j, taken)
-    residual = residual.at[rows, x].set(0.0)
-  # rows that took no alternative draw from what is left (every alternative's mass removed); an
-  # all-zero remainder only where an alternative was taken, whose draw is not used
+    # (a row whose chain was accepted whole keeps p: its last token is the bonus, drawn from p)
+    residual = residual.at[rows, x].set(jnp.where(rejected, 0.0, mass))
+  # rows that took no alternative draw from what is left (every alternative's mass removed after
+  # a rejection); an all-zero remainder only where an alternative was taken, whose draw is not
+  # used
   left = jnp.where(jnp.sum(residual, axis=-1, keepdims=True) > 0, residual, p_n)
   last = jax.random.categorical(key_last, jnp.log(left), axis=-1).astype(jnp.int32)
   bonus_logp = logp[rows, alternative_node(n, jnp.maximum(taken, 0))]  # [B, V]
