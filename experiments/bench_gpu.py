@@ -46,8 +46,10 @@ What each figure is:
   K + 1) while the target still reads all its weights every step. Arms: AR (`STATIC`), the
   speculative plain loop at K = --draft-len, the adaptive engine (K in 0..--draft-len per
   segment), and the plain loop verifying the same drafts as a draft tree of --tree-width (the
-  chain plus each depth's next most likely draft tokens: 1 + K * W positions per verify, every
-  chain accepted here, so its tokens/s against `spec_static` is the cost of the wider verify);
+  chain plus each depth's next most likely draft tokens: 1 + K * W positions per verify; and,
+  for each D in --tree-depths above 0, `spec_tree_d<D>_static` with alternatives at the first D
+  depths only, 1 + K + D * (W - 1) positions; every chain accepted here, so their tokens/s
+  against `spec_static` is the cost of the wider verify);
   tokens/s (of the fastest of --repeats calls after the first), step milliseconds and
   first-call seconds of each.
 - queue (run it by name: `--stages queue`): a GRPO-shaped queue at --queue-model, the
@@ -116,6 +118,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--tree-width", type=int, default=3,
                  help="speculative stage: also the plain loop verifying the drafts as a tree of "
                       "this width (1: no tree arm)")
+  p.add_argument("--tree-depths", type=int, nargs="+", default=[0, 1],
+                 help="speculative stage: a tree arm per depth D (alternatives at the first D "
+                      "depths; 0: every depth)")
   p.add_argument("--stages", nargs="+", default=["paged", "decode", "context", "spec"],
                  help="stages to run, in this order: paged, decode (every --models shape), "
                       "decode=SHAPE (one shape), context, spec, reads")
@@ -178,6 +183,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"({a.queue_group}) holding at least two groups")
   if any(b < 1 for b in a.batches + a.spec_batches + a.reads_batches + a.context_batches):
     p.error("batches must be >= 1")
+  if any(d < 0 for d in a.tree_depths):
+    p.error(f"--tree-depths must be >= 0 (0: every depth), got {a.tree_depths}")
   return a
 
 
@@ -400,10 +407,12 @@ def spec_stage(a, results: dict) -> None:
             model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
             engine=EngineConfig(max_buckets=1), tuning=tuning),
     }
-    if a.tree_width > 1:  # the same drafts verified as a tree: what its wider verify costs
-      tree = dataclasses.replace(draft, tree_width=a.tree_width)
-      arms["spec_tree_static"] = lambda i: speculative_generate(
-          model, tree, dparams, prompts, lengths, jax.random.key(i), scfg, engine=STATIC)
+    for depth in a.tree_depths if a.tree_width > 1 else ():
+      # the same drafts verified as a tree: what its wider verify costs
+      tree = dataclasses.replace(draft, tree_width=a.tree_width, tree_depth=depth)
+      arms[f"spec_tree{f'_d{depth}' if depth else ''}_static"] = \
+          lambda i, tree=tree: speculative_generate(model, tree, dparams, prompts, lengths,
+                                                    jax.random.key(i), scfg, engine=STATIC)
     row = {"batch": b, "draft_len": a.draft_len, "draft_layers": a.draft_layers, "arms": {}}
     for name, fn in arms.items():
       if over_budget(a, f"speculative {name} batch {b}", results):

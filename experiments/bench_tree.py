@@ -7,13 +7,14 @@ tried where the chain's draft is rejected), at small live batches.
 
 The target, workload and drafters are `bench_engine.py`'s (a 25.7M-parameter Markov-language
 target, temperature 1, long-tailed lengths; `draft_model`: its first layer; `eagle3`: a head
-trained offline by the TTT loss). Per batch and drafter, arms `<drafter>_w<W>`: the plain loop at
-fixed K (`--k`), every row stepped to the end (so the live batch is the batch), and
+trained offline by the TTT loss). Per batch and drafter, arms `<drafter>_w<W>` (`_w<W>d<D>`:
+alternatives at the first D depths only, `--depths`): the plain loop at fixed K (`--k`), every row stepped to the end (so the live batch is the batch), and
 `<drafter>_w<W>_adaptive`: the engine's defaults (compaction, K chosen per bucket from measured
 costs; with W > 1 the chain or the tree per segment, whichever promises more). Arms run
 interleaved (`bench_engine.interleaved_runs`) after an untimed call each; tokens/s over the timed
-calls, and of the last call's steps the seconds and tokens per step and the share of drafting
-steps that verified a tree. Prints a table, writes JSON. Asserts nothing.
+calls, and of the last call's steps the seconds and tokens per step (their ratio against the
+chain's: "per step", free of per-call costs) and the share of drafting steps that verified a
+tree. Prints a table, writes JSON. Asserts nothing.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def parse_args(argv=None):
   p.add_argument("--quick", action="store_true", help="batches 1 and 4, widths 1 and 3")
   p.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
   p.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3])
+  p.add_argument("--depths", type=int, nargs="+", default=[0],
+                 help="tree depths D of the tree arms (alternatives at the first D depths; 0: "
+                      "every depth); arms <drafter>_w<W>d<D> for D > 0")
   p.add_argument("--k", type=int, default=3, help="K of the plain-loop arms")
   p.add_argument("--max-draft-len", type=int, default=4, help="largest K of the adaptive arms")
   p.add_argument("--drafters", nargs="+", default=["draft_model", "eagle3"],
@@ -58,6 +62,9 @@ def parse_args(argv=None):
   for w in a.widths:
     if w < 1:
       p.error(f"--widths: each must be >= 1, got {w}")
+  for d in a.depths:
+    if d < 0:
+      p.error(f"--depths: each must be >= 0 (0: every depth), got {d}")
   if 1 not in a.widths:
     a.widths = [1] + a.widths  # the chain is the baseline every ratio is taken against
   return a
@@ -102,12 +109,14 @@ def main(argv=None) -> dict:
     runs = {}
     for name, (drafter, params) in drafters.items():  # one drafter's arms at a time
       arms = {}
-      for w in a.widths:
-        d = dataclasses.replace(drafter, tree_width=w)
-        arms[f"{name}_w{w}"] = lambda i, d=d, p=params: speculative_generate(
+      shapes = [(w, depth) for w in a.widths for depth in (a.depths if w > 1 else [0])]
+      for w, depth in shapes:
+        d = dataclasses.replace(drafter, tree_width=w, tree_depth=depth)
+        arm = f"{name}_w{w}" + (f"d{depth}" if depth else "")
+        arms[arm] = lambda i, d=d, p=params: speculative_generate(
             target, d, p, prompts, lens, key(i), cfg, draft_len=a.k, engine=STATIC)
         if not a.no_adaptive:
-          arms[f"{name}_w{w}_adaptive"] = lambda i, d=d, p=params, t=EngineTuning(): \
+          arms[f"{arm}_adaptive"] = lambda i, d=d, p=params, t=EngineTuning(): \
               speculative_generate(target, d, p, prompts, lens, key(i), cfg,
                                    draft_len=a.max_draft_len,
                                    engine=EngineConfig(compile_ahead=True), tuning=t)
@@ -129,6 +138,9 @@ def main(argv=None) -> dict:
       chain = runs[_chain_of(n)]
       rec["vs_chain_tokens_per_s"] = rec["tokens_per_s"] / chain["tokens_per_s"]
       rec["vs_chain_paired"] = be.paired_ratio(chain, rec) if rec is not chain else 1.0
+      # tokens per second of stepping alone (the last call's steps, no per-call costs)
+      rec["vs_chain_per_step"] = (rec["tokens_per_step"] / rec["ms_per_step"]) / \
+          (chain["tokens_per_step"] / chain["ms_per_step"])
       log(f"  {n:26s} {rec['tokens_per_s']:8.1f} tok/s  x{rec['vs_chain_tokens_per_s']:.2f} "
           f"of the chain  acc.len {rec['acceptance_length']:.2f}  K/bucket "
           f"{rec['k_per_bucket']}  tree steps {rec['tree_step_share']:.0%}")
@@ -145,6 +157,7 @@ def summary_of(a, cfg_m, quantiles, results: dict, t_start: float) -> dict:
   return {"machine": be.machine(), "command": "python experiments/bench_tree.py "
           + " ".join(sys.argv[1:]),
           "config": {"k": a.k, "max_draft_len": a.max_draft_len, "widths": a.widths,
+                     "depths": a.depths,
                      "batches": a.batches, "max_new": a.max_new,
                      "length_quantiles": quantiles, "drafters": a.drafters},
           "target_params": cfg_m.num_params(), "batches": results,
@@ -167,13 +180,15 @@ def _chain_of(arm: str) -> str:
 
 def print_table(s: dict) -> None:
   print(f"\n{s['target_params'] / 1e6:.1f}M-parameter target, {s['machine']}")
-  print("| batch | arm | tokens/s | x chain (tokens/s) | x chain (paired time) | acc. length | "
-        "ms / step | tokens / step | K per bucket | tree steps |")
-  print("|---:|---|---:|---:|---:|---:|---:|---:|---|---:|")
+  print("| batch | arm | tokens/s | x chain (tokens/s) | x chain (paired time) | "
+        "x chain (per step) | acc. length | ms / step | tokens / step | K per bucket | "
+        "tree steps |")
+  print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
   for batch, runs in s["batches"].items():
     for n, r in runs.items():
       print(f"| {batch} | {n} | {r['tokens_per_s']:.1f} | {r['vs_chain_tokens_per_s']:.2f}x | "
-            f"{r['vs_chain_paired']:.2f}x | {r['acceptance_length']:.2f} | "
+            f"{r['vs_chain_paired']:.2f}x | {r['vs_chain_per_step']:.2f}x | "
+            f"{r['acceptance_length']:.2f} | "
             f"{r['ms_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['k_per_bucket']} | "
             f"{r['tree_step_share']:.0%} |")
 

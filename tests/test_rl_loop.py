@@ -244,6 +244,8 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
     RolloutConfig(top_p=0.0)
   with pytest.raises(ValueError, match="DraftConfig.tree_width"):
     DraftConfig(tree_width=0)
+  with pytest.raises(ValueError, match="DraftConfig.tree_depth"):
+    DraftConfig(tree_depth=-1)
   # a draft tree needs a drafter that ranks its candidates, and dense caches
   model_cfg = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=1,
                           num_kv_heads=1, head_dim=8, mlp_hidden=16)
@@ -254,9 +256,9 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
     build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2),
                            rollout=RolloutConfig(kv_cache_gb=0.01)), graphdef,
                   model_cfg.replace(mtp=True))
-  drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2)), graphdef,
-                             model_cfg.replace(mtp=True))
-  assert drafter.tree_width == 2
+  drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2, tree_depth=1)),
+                             graphdef, model_cfg.replace(mtp=True))
+  assert (drafter.tree_width, drafter.tree_depth, drafter.tree.nodes) == (2, 1, 1 + 3 + 1)
   bad = tmp_path / "bad.yaml"
   bad.write_text("grpo:\n  group_sise: 4\n")
   with pytest.raises(ValueError, match=r"RLConfig.grpo.group_sise: unknown field"):

@@ -90,14 +90,15 @@ def test_new_target_params_reuse_the_compiled_loop(target, greedy_runs):
   assert engine.compiled_programs() == before
 
 
-@pytest.mark.parametrize("width", [2, 3])
-def test_greedy_draft_trees_equal_greedy_autoregressive(target, greedy_runs, width):
+@pytest.mark.parametrize("width,depth", [(2, 0), (3, 1)])
+def test_greedy_draft_trees_equal_greedy_autoregressive(target, greedy_runs, width, depth):
   # the target's first layer as the draft: its chains are often rejected where its next most
-  # likely token is the target's
+  # likely token is the target's (depth 1: alternatives at the first depth only)
   ar = greedy_runs[0]
   other = truncated_copy(target, 1)
   for tree_width in (1, width):
-    drafter, params = DraftModelDrafter.from_model(other, K, tree_width=tree_width)
+    drafter, params = DraftModelDrafter.from_model(other, K, tree_width=tree_width,
+                                                   tree_depth=depth)
     for eng in (STATIC, EngineConfig()):
       out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS,
                                  jax.random.key(1), GREEDY, engine=eng)
@@ -120,6 +121,10 @@ def test_draft_trees_need_a_ranking_drafter_and_dense_caches(target):
                          GREEDY, engine=EngineConfig(kv_cache_gb=0.01, max_rows=4))
   with pytest.raises(ValueError, match="tree_width must be an int >= 1"):
     speculative_generate(target, DraftModelDrafter.from_model(target, K, tree_width=0)[0],
+                         params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY)
+  with pytest.raises(ValueError, match="tree_depth must be an int >= 0"):
+    speculative_generate(target, DraftModelDrafter.from_model(target, K, tree_width=2,
+                                                              tree_depth=-1)[0],
                          params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY)
 
 

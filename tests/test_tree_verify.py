@@ -2,7 +2,7 @@
 distributions (statistical), greedy, the path it returns, bad inputs.
 
 Statistical checks: 200k rows per case in one jit, fixed seeds, chi-square at ALPHA per check
-(19 checks: family-wise false-failure rate <= 19 * ALPHA < 0.2%). The target is a Markov chain as
+(22 checks: family-wise false-failure rate <= 22 * ALPHA < 0.3%). The target is a Markov chain as
 in test_rejection.py: target_logits at a node are the chain's row of the node's token, so the
 (first, second) pair of a sequence must follow p(x1) p(x2 | x1) whichever node the second token
 came from, and the last pair (the bonus token after a whole accepted chain among them) the
@@ -72,10 +72,11 @@ def verify_tree_without_residual(key, target_logits, draft_tokens, draft_probs, 
   return res.replace(tokens=tokens), path
 
 
-@functools.partial(jax.jit, static_argnames=("setting", "deterministic", "broken"))
+@functools.partial(jax.jit, static_argnames=("setting", "deterministic", "broken", "depth"))
 def _verify(key, first_logits, next_logits, q_first, q_next, drafts, alts, *, setting,
-            deterministic, broken=False):
+            deterministic, broken=False, depth=DRAFT_LEN):
   rows = drafts.shape[0]
+  alts = alts[:, :depth]  # alternatives at the first `depth` depths only
   chain_logits = jnp.concatenate([jnp.broadcast_to(first_logits, (rows, 1, VOCAB)),
                                   next_logits[drafts]], axis=1)
   target_logits = jnp.concatenate([chain_logits, next_logits[alts.reshape(rows, -1)]], axis=1)
@@ -89,7 +90,7 @@ def _verify(key, first_logits, next_logits, q_first, q_next, drafts, alts, *, se
 
 
 @functools.lru_cache(maxsize=None)
-def _sampled(setting: str, draft: str, broken: bool = False):
+def _sampled(setting: str, draft: str, broken: bool = False, depth: int = DRAFT_LEN):
   first_logits, next_logits, q_first, q_next, _, p_next = _case(setting, draft)
   seed = 2000 + 10 * DRAFTS.index(draft) + list(SETTINGS).index(setting)
   rng = np.random.default_rng(seed)
@@ -101,7 +102,7 @@ def _sampled(setting: str, draft: str, broken: bool = False):
     q_rows = q_next[drafts[-1]]
   out = _verify(jax.random.key(seed, impl="rbg"), first_logits, next_logits, q_first, q_next,
                 np.stack(drafts, 1), np.stack(alts, 1), setting=tuple(SETTINGS[setting].items()),
-                deterministic=draft == "deterministic", broken=broken)
+                deterministic=draft == "deterministic", broken=broken, depth=depth)
   tokens, num_accepted, path, chain_accepted = map(np.asarray, out)
   # each row's sequence over DRAFT_LEN + 1 positions: the emitted tokens, then the target's own
   # continuation past them (so every position's joint with the next is known)
@@ -111,12 +112,13 @@ def _sampled(setting: str, draft: str, broken: bool = False):
   return seq, num_accepted, path, chain_accepted
 
 
-GRID = [(s, d) for s in SETTINGS for d in DRAFTS]
+GRID = [(s, d, DRAFT_LEN) for s in SETTINGS for d in DRAFTS] + \
+    [("temperature_1", "random", 1)]  # alternatives at the first depth only
 
 
-@pytest.mark.parametrize("setting,draft", GRID)
-def test_tree_verification_keeps_the_target_distribution(setting, draft):
-  seq, *_ = _sampled(setting, draft)
+@pytest.mark.parametrize("setting,draft,depth", GRID)
+def test_tree_verification_keeps_the_target_distribution(setting, draft, depth):
+  seq, *_ = _sampled(setting, draft, depth=depth)
   *_, p_first, p_next = _case(setting, draft)
   assert_same_distribution(seq[:, 0], p_first, ALPHA, what=f"first token {setting}/{draft}")
   assert_same_distribution(pair_index(seq[:, 0], seq[:, 1], VOCAB),
@@ -131,16 +133,18 @@ def test_tree_verification_keeps_the_target_distribution(setting, draft):
                            what=f"(token {DRAFT_LEN - 1}, token {DRAFT_LEN}) {setting}/{draft}")
 
 
-@pytest.mark.parametrize("setting,draft", GRID)
-def test_alternatives_add_accepted_tokens_to_the_chains(setting, draft):
-  _, num_accepted, path, chain_accepted = _sampled(setting, draft)
+@pytest.mark.parametrize("setting,draft,depth", GRID)
+def test_alternatives_add_accepted_tokens_to_the_chains(setting, draft, depth):
+  _, num_accepted, path, chain_accepted = _sampled(setting, draft, depth=depth)
   # the chain part of the tree decides as `verify` does (the same uniforms): a row accepts at
   # least the chain's count, and one more exactly where an alternative was taken
   took = np.take_along_axis(path, np.minimum(num_accepted, DRAFT_LEN)[:, None], 1)[:, 0] > \
       DRAFT_LEN
   assert (num_accepted == chain_accepted + took).all()
+  assert not (took & (chain_accepted >= depth)).any()  # only at the depths with alternatives
   if draft != "one_hot":  # (a point-mass q ranks no alternative: they are arbitrary tokens)
-    assert took.mean() > 0.05, f"alternatives taken in only {took.mean():.3f} of rows"
+    least = 0.05 if depth == DRAFT_LEN else 0.02  # (fewer depths, fewer chances)
+    assert took.mean() > least, f"alternatives taken in only {took.mean():.3f} of rows"
 
 
 def test_accepting_alternatives_by_the_target_instead_of_the_residual_fails_the_check():
@@ -182,6 +186,13 @@ def test_the_tree_shape_depths_and_ancestors():
   assert anc[tree.alternative(2, 0)].tolist() == [True, True, False, False, False, True, False]
   with pytest.raises(ValueError, match="width"):
     DraftTree(2, 0)
+  shallow = DraftTree(draft_len=3, width=3, depth=1)  # alternatives at the first depth only
+  assert shallow.nodes == 6 and shallow.alt_depths == 1
+  assert shallow.depths.tolist() == [0, 1, 2, 3, 1, 1]
+  assert shallow.ancestors[shallow.alternative(1, 1)].tolist() == [True] + [False] * 4 + [True]
+  assert DraftTree(2, 3, depth=5).nodes == DraftTree(2, 3).nodes  # capped at K
+  with pytest.raises(ValueError, match="depth"):
+    DraftTree(2, 3, depth=-1)
 
 
 def test_wrong_shapes_raise_a_clear_value_error():
@@ -189,6 +200,6 @@ def test_wrong_shapes_raise_a_clear_value_error():
   with pytest.raises(ValueError, match="alternatives must be"):
     verify_tree(jax.random.key(0), logits, jnp.zeros((2, 2), jnp.int32), None,
                 jnp.zeros((2, 3, 2), jnp.int32), temperature=1.0)
-  with pytest.raises(ValueError, match="1 \\+ K \\* W"):
+  with pytest.raises(ValueError, match="1 \\+ K \\+ D \\* \\(W-1\\)"):
     verify_tree(jax.random.key(0), logits[:, :6], jnp.zeros((2, 2), jnp.int32), None,
                 jnp.zeros((2, 2, 2), jnp.int32), temperature=1.0)

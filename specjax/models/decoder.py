@@ -37,7 +37,7 @@ def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=No
       raise ValueError("a draft tree is verified over a dense KVCache (paged caches and "
                        "cacheless forwards take chains only)")
     if seq != tree.nodes:
-      raise ValueError(f"a forward over DraftTree{(tree.draft_len, tree.width)} takes "
+      raise ValueError(f"a forward over {tree} takes "
                        f"{tree.nodes} tokens, got {seq}")
     positions = cache.lengths[:, None] + jnp.asarray(tree.depths)[None]
     rel = jnp.arange(cache.visible, dtype=jnp.int32)[None, :] - cache.lengths[:, None]  # [B, S]

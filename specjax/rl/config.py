@@ -30,6 +30,7 @@ class DraftConfig:
   # candidates verified per depth: 1 a chain; W > 1 a draft tree, the drafter's W - 1 next most
   # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense caches)
   tree_width: int = 1
+  tree_depth: int = 0  # the tree's alternatives at the chain's first tree_depth depths (0: all)
   online: bool = False  # train the draft inside the RL train step; kinds without an online loss
   # (all but eagle3, mtp) have nothing to train and read it as False
   loss_weight: float = 1.0  # lambda in  loss = GRPO + lambda * draft loss
@@ -54,6 +55,8 @@ class DraftConfig:
            f"must be >= 0 (0: draft_len), got {self.max_draft_len}")
     _check(self.tree_width >= 1, f"{w}.tree_width", f"must be >= 1 (1: a chain), got "
            f"{self.tree_width}")
+    _check(self.tree_depth >= 0, f"{w}.tree_depth", f"must be >= 0 (0: every depth), got "
+           f"{self.tree_depth}")
     _check(self.loss_weight >= 0, f"{w}.loss_weight", f"must be >= 0, got {self.loss_weight}")
     _check(self.ttt_steps >= 1, f"{w}.ttt_steps", f"must be >= 1, got {self.ttt_steps}")
     _check(1 <= self.ngram_min <= self.ngram_max, f"{w}.ngram_min",

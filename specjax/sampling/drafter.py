@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.models.decoder import DecoderOutput
+from specjax.models.tree import DraftTree
 
 
 @struct.dataclass
@@ -64,6 +65,8 @@ class Drafter:
   # candidates a verify scores per depth: 1 a chain; more a draft tree (`propose_tree`,
   # `specjax.models.tree.DraftTree`) for drafters that rank their candidates (`drafts_trees`)
   tree_width: int = 1
+  # the first depths of the chain that carry the tree's alternatives (0: every depth)
+  tree_depth: int = 0
 
   @property
   def drafts_trees(self) -> bool:
@@ -71,10 +74,16 @@ class Drafter:
     return False
 
   @property
+  def tree(self) -> DraftTree:
+    """The shape a verify scores: `DraftTree(draft_len, tree_width, tree_depth)` (a chain at
+    width 1)."""
+    return DraftTree(self.draft_len, self.tree_width, self.tree_depth)
+
+  @property
   def write_span(self) -> int:
     """Cache positions a verify writes past a row's last committed token: the tree's drafted
-    nodes, K * tree_width."""
-    return self.draft_len * self.tree_width
+    nodes (K for a chain)."""
+    return self.draft_len if self.tree_width == 1 else self.tree.nodes - 1
 
   @property
   def stateful(self) -> bool:

@@ -194,11 +194,12 @@ class _Run:
     self.segments: list[Segment] = []
     self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
 
-  @staticmethod
-  def span(k: int, width: int = 1) -> int:
+  def span(self, k: int, width: int = 1) -> int:
     """Cache positions a step at K writes past a row's last committed token (a draft tree of
     `width`: its drafted nodes, `Drafter.write_span`)."""
-    return k * width
+    if k == 0 or width == 1:
+      return k
+    return dataclasses.replace(self.drafter, draft_len=k, tree_width=width).write_span
 
   def _segment_args(self, state, key, k: int, window: int, max_iters: int, stop_at_live: int,
                     stop_at_paused: int, commit: bool = True,

@@ -145,12 +145,13 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
                 top_k: int | None = None,
                 top_p: float | None = None) -> tuple[VerifyResult, jax.Array]:
   """Verify a draft tree (`specjax.models.tree.DraftTree`): the chain `draft_tokens[B, K]` (drawn
-  from `draft_probs`, or deterministic when None) and at each depth i the alternatives
-  `alternatives[B, K, W-1]` (any tokens that depend on the drafter's output only, e.g. its next
-  most likely ones), scored by `target_logits[B, 1 + K * W, V]` at the tree's nodes.
+  from `draft_probs`, or deterministic when None) and at each of the first D <= K depths i the
+  alternatives `alternatives[B, D, W-1]` (any tokens that depend on the drafter's output only,
+  e.g. its next most likely ones), scored by `target_logits[B, 1 + K + D * (W-1), V]` at the
+  tree's nodes (`DraftTree(K, W, D)`).
 
   The chain is verified as by `verify`. Where its draft at depth i is rejected, the alternatives
-  at depth i are tried in turn against what the target still owes: the residual r of that
+  at depth i (if i <= D) are tried in turn against what the target still owes: the residual r of that
   position; alternative x is accepted with probability r(x), and on a rejection r loses x and is
   renormalised. Once every alternative is rejected the token is drawn from what is left; an
   accepted alternative is followed by a token drawn from the target at its node. Every token is
@@ -164,30 +165,32 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
   caches' entries of those nodes.
   """
   batch, k = draft_tokens.shape
-  if alternatives.ndim != 3 or alternatives.shape[:2] != (batch, k):
-    raise ValueError(f"alternatives must be [B, K, W-1] = [{batch}, {k}, W-1], got shape "
-                     f"{alternatives.shape}")
-  alts = alternatives.shape[2]
-  nodes = 1 + k * (alts + 1)
+  if alternatives.ndim != 3 or alternatives.shape[0] != batch or \
+      not 1 <= alternatives.shape[1] <= k:
+    raise ValueError(f"alternatives must be [B, D, W-1] with B = {batch}, 1 <= D <= K = {k}, got "
+                     f"shape {alternatives.shape}")
+  depth, alts = alternatives.shape[1:]
+  nodes = 1 + k + depth * alts
   if target_logits.ndim != 3 or target_logits.shape[:2] != (batch, nodes):
-    raise ValueError(f"target_logits must be [B, 1 + K * W, V] = [{batch}, {nodes}, V] for K = "
-                     f"{k} and W = {alts + 1}, got shape {target_logits.shape}")
+    raise ValueError(f"target_logits must be [B, 1 + K + D * (W-1), V] = [{batch}, {nodes}, V] "
+                     f"for K = {k}, D = {depth} and W = {alts + 1}, got shape "
+                     f"{target_logits.shape}")
   chain_logits = target_logits[:, :k + 1]
   _check_inputs(chain_logits, draft_tokens, draft_probs, temperature, top_k, top_p)
   draft_tokens = draft_tokens.astype(jnp.int32)
   alternatives = alternatives.astype(jnp.int32)
   rows = jnp.arange(batch)
 
-  def alternative_node(n, j):  # node index of alternative j at depth n + 1
-    return 1 + k + n * alts + j
+  def alternative_node(n, j):  # node index of alternative j at depth n + 1 (clamped to D)
+    return 1 + k + jnp.minimum(n, depth - 1) * alts + j
 
   if temperature == 0:
     raw = target_logits.astype(jnp.float32)
     argmax = jnp.argmax(raw, axis=-1).astype(jnp.int32)  # [B, nodes]
     n = _leading_true(draft_tokens == argmax[:, :k])
     want = jnp.take_along_axis(argmax, n[:, None], axis=1)[:, 0]  # the target's token at n
-    cands = alternatives[rows, jnp.minimum(n, k - 1)]  # [B, W-1]
-    hit = (cands == want[:, None]) & (n < k)[:, None]
+    cands = alternatives[rows, jnp.minimum(n, depth - 1)]  # [B, W-1]
+    hit = (cands == want[:, None]) & (n < depth)[:, None]
     taken = jnp.where(jnp.any(hit, axis=1), jnp.argmax(hit, axis=1), -1)
     logp_all = jax.nn.log_softmax(raw, axis=-1)
     bonus = argmax[rows, alternative_node(n, jnp.maximum(taken, 0))]
@@ -198,10 +201,9 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
   key_alts, key_last, key_bonus = jax.random.split(key_rest, 3)
   logp = process_logits(target_logits, temperature=temperature, top_k=top_k, top_p=top_p)
   n, residual, p_n = _accept_chain(key_accept, logp, draft_tokens, draft_probs)
-  rejected = n < k
-  n_draft = jnp.minimum(n, k - 1)
+  rejected = n < depth  # rejected at a depth that has alternatives
   # the alternatives at depth n + 1, each against what the residual still owes
-  cands = alternatives[rows, n_draft]  # [B, W-1]
+  cands = alternatives[rows, jnp.minimum(n, depth - 1)]  # [B, W-1]
   u_alt = jax.random.uniform(key_alts, (batch, max(alts, 1)), jnp.float32)
   taken = jnp.full((batch,), -1, jnp.int32)
   for j in range(alts):
@@ -210,7 +212,7 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
     total = jnp.sum(residual, axis=-1)
     take = rejected & (taken < 0) & (u_alt[:, j] * total < mass) & (mass > 0)
     taken = jnp.where(take, j, taken)
-    # (a row whose chain was accepted whole keeps p: its last token is the bonus, drawn from p)
+    # (rows accepted whole or rejected deeper keep their draw: the bonus from p, the residual)
     residual = residual.at[rows, x].set(jnp.where(rejected, 0.0, mass))
   # rows that took no alternative draw from what is left (every alternative's mass removed after
   # a rejection); an all-zero remainder only where an alternative was taken, whose draw is not
@@ -229,8 +231,9 @@ def _tree_emit(draft_tokens, n, taken, last, bonus, logp_all, k: int, alts: int,
   batch = draft_tokens.shape[0]
   rows = jnp.arange(batch)
   took = taken >= 0
-  alt_node = 1 + k + n * alts + jnp.maximum(taken, 0)
-  alt_tok = alternatives[rows, jnp.minimum(n, k - 1), jnp.maximum(taken, 0)] if alts else last
+  at = jnp.minimum(n, alternatives.shape[1] - 1)  # (an alternative is taken only at n < D)
+  alt_node = 1 + k + at * alts + jnp.maximum(taken, 0)
+  alt_tok = alternatives[rows, at, jnp.maximum(taken, 0)] if alts else last
   pos = jnp.arange(k + 1)[None, :]
   nn = n[:, None]
   path = jnp.where(took[:, None] & (pos == nn + 1), alt_node[:, None], pos).astype(jnp.int32)

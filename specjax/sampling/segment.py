@@ -18,7 +18,6 @@ from flax import nnx, struct
 
 from specjax.models.cache import KVCache
 from specjax.models.paged import NO_PAGE, POOL_AXES, PagedKV
-from specjax.models.tree import DraftTree
 from specjax.sampling.core import SamplingConfig, is_eos, prefill
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 from specjax.sampling.metrics import AcceptanceCounts
@@ -264,8 +263,9 @@ def tree_forward(target, drafter: Drafter, drafter_params, cfg: SamplingConfig, 
   drafter state)."""
   drafts, draft_probs, alternatives, dstate = drafter.propose_tree(
       drafter_params, s.drafter_state, s.seq, key_draft)
-  tree = DraftTree(drafter.draft_len, drafter.tree_width)
+  tree = drafter.tree
   b = drafts.shape[0]
+  alternatives = alternatives[:, :tree.alt_depths]  # the depths that carry alternatives
   nodes = jnp.concatenate([last, drafts.astype(jnp.int32),
                            alternatives.reshape(b, -1).astype(jnp.int32)], axis=1)
   out = target(nodes, cache=s.cache, tree=tree)

@@ -57,6 +57,9 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   k_max = (engine.max_draft_len or k) if engine.adaptive else k  # the one place it is resolved
   if not isinstance(drafter.tree_width, int) or drafter.tree_width < 1:
     raise ValueError(f"drafter.tree_width must be an int >= 1, got {drafter.tree_width!r}")
+  if not isinstance(drafter.tree_depth, int) or drafter.tree_depth < 0:
+    raise ValueError(f"drafter.tree_depth must be an int >= 0 (0: every depth), got "
+                     f"{drafter.tree_depth!r}")
   if drafter.tree_width > 1:
     if not drafter.drafts_trees:
       raise ValueError(f"drafter.tree_width={drafter.tree_width}: {type(drafter).__name__} "
@@ -76,6 +79,7 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   cache_size = needed if cache_size is None else int(cache_size)
   check_prompts(prompts, prompt_lengths, cache_size, needed,
                 f"prompt width {prompts.shape[1]} + max_new_tokens {cfg.max_new_tokens} + "
-                f"draft_len {k_max}{f' x tree_width {drafter.tree_width}' if drafter.tree_width > 1 else ''} + 1")
+                f"{f'the draft tree {drafter.tree}' if drafter.tree_width > 1 else f'draft_len {k_max}'}"
+                f" + 1")
   return run_engine(graphdef, params, drafter, drafter_params, prompts, prompt_lengths, key, cfg,
                     cache_size, engine, mesh, tuning)
