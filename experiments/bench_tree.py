@@ -8,18 +8,20 @@ tried where the chain's draft is rejected), at small live batches.
 The target, workload and drafters are `bench_engine.py`'s (a 25.7M-parameter Markov-language
 target, temperature 1, long-tailed lengths; `draft_model`: its first layer; `eagle3`: a head
 trained offline by the TTT loss). Per batch and drafter, arms `<drafter>_w<W>` (`_w<W>d<D>`:
-alternatives at the first D depths only, `--depths`): the plain loop at fixed K (`--k`), every row stepped to the end (so the live batch is the batch), and
+alternatives at the first D depths only, `--depths`; a final `t`: the tree's chain of the
+drafter's most likely tokens, `--chains argmax`): the plain loop at fixed K (`--k`), every row stepped to the end (so the live batch is the batch), and
 `<drafter>_w<W>_adaptive`: the engine's defaults (compaction, K chosen per bucket from measured
 costs; with W > 1 the chain or the tree per segment, whichever promises more). Arms run
 interleaved (`bench_engine.interleaved_runs`) after an untimed call each; tokens/s over the timed
-calls, and of the last call's steps the seconds and tokens per step (their ratio against the
-chain's: "per step", free of per-call costs) and the share of drafting steps that verified a
-tree. Prints a table, writes JSON. Asserts nothing.
+calls, and over the timed calls' steps the acceptance length, the seconds and tokens per step
+(their ratio against the chain's: "per step", free of per-call costs) and the share of drafting
+steps that verified a tree. Prints a table, writes JSON. Asserts nothing.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -34,8 +36,8 @@ from flax import nnx  # noqa: E402
 from experiments import bench_engine as be  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, eagle3_drafter,  # noqa: E402
                               train_draft_head, truncated_copy)
-from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig,  # noqa: E402
-                              speculative_generate)
+from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
+                              EngineTuning, SamplingConfig, speculative_generate)
 
 
 def parse_args(argv=None):
@@ -46,6 +48,9 @@ def parse_args(argv=None):
   p.add_argument("--depths", type=int, nargs="+", default=[0],
                  help="tree depths D of the tree arms (alternatives at the first D depths; 0: "
                       "every depth); arms <drafter>_w<W>d<D> for D > 0")
+  p.add_argument("--chains", nargs="+", default=["sampled"], choices=("sampled", "argmax"),
+                 help="the tree arms' chains: drawn from the drafter (sampled) or its most "
+                      "likely tokens (argmax: `Drafter.tree_argmax`; arms <drafter>_w<W>...t)")
   p.add_argument("--k", type=int, default=3, help="K of the plain-loop arms")
   p.add_argument("--max-draft-len", type=int, default=4, help="largest K of the adaptive arms")
   p.add_argument("--drafters", nargs="+", default=["draft_model", "eagle3"],
@@ -109,10 +114,11 @@ def main(argv=None) -> dict:
     runs = {}
     for name, (drafter, params) in drafters.items():  # one drafter's arms at a time
       arms = {}
-      shapes = [(w, depth) for w in a.widths for depth in (a.depths if w > 1 else [0])]
-      for w, depth in shapes:
-        d = dataclasses.replace(drafter, tree_width=w, tree_depth=depth)
-        arm = f"{name}_w{w}" + (f"d{depth}" if depth else "")
+      shapes = [(w, depth, top) for w in a.widths for depth in (a.depths if w > 1 else [0])
+                for top in ([c == "argmax" for c in a.chains] if w > 1 else [False])]
+      for w, depth, top in shapes:
+        d = dataclasses.replace(drafter, tree_width=w, tree_depth=depth, tree_argmax=top)
+        arm = f"{name}_w{w}" + (f"d{depth}" if depth else "") + ("t" if top else "")
         arms[arm] = lambda i, d=d, p=params: speculative_generate(
             target, d, p, prompts, lens, key(i), cfg, draft_len=a.k, engine=STATIC)
         if not a.no_adaptive:
@@ -121,19 +127,37 @@ def main(argv=None) -> dict:
                                    draft_len=a.max_draft_len,
                                    engine=EngineConfig(compile_ahead=True), tuning=t)
       log(f"batch {batch}, {name}: {len(arms)} arms")
-      runs.update({n: be.arm_record(*r) for n, r in be.interleaved_runs(arms, a.repeats).items()})
+      timed = collections.defaultdict(list)  # every timed call's rollout (call 0 is untimed)
+
+      def keep(fn, arm):
+        def call(i):
+          out = fn(i)
+          if i > 0:
+            timed[arm].append(out)
+          return out
+        return call
+
+      arms = {n: keep(fn, n) for n, fn in arms.items()}
+      for n, r in be.interleaved_runs(arms, a.repeats).items():
+        runs[n] = be.arm_record(*r)
+        runs[n]["all_segments"] = [s for out in timed[n] for s in out.segments]
+        counts = [AcceptanceMetrics.from_counts(out.stats) for out in timed[n]]
+        drafts = sum(m.num_drafts for m in counts)
+        runs[n]["acceptance_length_all"] = sum(
+            m.acceptance_length * m.num_drafts for m in counts if m.num_drafts) / max(drafts, 1)
+      timed = None
       # the arms' programs go: one drafter's arms compile many (bucket, K, width) programs, and
       # several drafters' and batches' worth of them exhaust the process's memory maps
       arms = None
       jax.clear_caches()
-    for rec in runs.values():  # the last rollout's steps: their cost, their yield, the trees
-      segs = rec["segments"]
-      steps = max(sum(g["iterations"] for g in segs), 1)
-      rec["ms_per_step"] = 1e3 * sum(g["seconds"] for g in segs) / steps
-      rec["tokens_per_step"] = sum(g["tokens"] for g in segs) / steps
-      drafting = [g for g in segs if g["draft_len"] > 0]
-      rec["tree_step_share"] = sum(g["iterations"] for g in drafting if g["tree_width"] > 1) / \
-          max(sum(g["iterations"] for g in drafting), 1)
+    for rec in runs.values():  # every timed rollout's steps: their cost, yield, the trees
+      segs = rec.pop("all_segments")
+      steps = max(sum(g.iterations for g in segs), 1)
+      rec["ms_per_step"] = 1e3 * sum(g.seconds for g in segs) / steps
+      rec["tokens_per_step"] = sum(g.tokens for g in segs) / steps
+      drafting = [g for g in segs if g.draft_len > 0]
+      rec["tree_step_share"] = sum(g.iterations for g in drafting if g.tree_width > 1) / \
+          max(sum(g.iterations for g in drafting), 1)
     for n, rec in runs.items():
       chain = runs[_chain_of(n)]
       rec["vs_chain_tokens_per_s"] = rec["tokens_per_s"] / chain["tokens_per_s"]
@@ -142,7 +166,7 @@ def main(argv=None) -> dict:
       rec["vs_chain_per_step"] = (rec["tokens_per_step"] / rec["ms_per_step"]) / \
           (chain["tokens_per_step"] / chain["ms_per_step"])
       log(f"  {n:26s} {rec['tokens_per_s']:8.1f} tok/s  x{rec['vs_chain_tokens_per_s']:.2f} "
-          f"of the chain  acc.len {rec['acceptance_length']:.2f}  K/bucket "
+          f"of the chain  acc.len {rec['acceptance_length_all']:.2f}  K/bucket "
           f"{rec['k_per_bucket']}  tree steps {rec['tree_step_share']:.0%}")
     results[str(batch)] = runs
     write(a, summary_of(a, cfg_m, quantiles, results, t_start))  # each batch as it ends
@@ -157,7 +181,7 @@ def summary_of(a, cfg_m, quantiles, results: dict, t_start: float) -> dict:
   return {"machine": be.machine(), "command": "python experiments/bench_tree.py "
           + " ".join(sys.argv[1:]),
           "config": {"k": a.k, "max_draft_len": a.max_draft_len, "widths": a.widths,
-                     "depths": a.depths,
+                     "depths": a.depths, "chains": a.chains,
                      "batches": a.batches, "max_new": a.max_new,
                      "length_quantiles": quantiles, "drafters": a.drafters},
           "target_params": cfg_m.num_params(), "batches": results,
@@ -188,7 +212,7 @@ def print_table(s: dict) -> None:
     for n, r in runs.items():
       print(f"| {batch} | {n} | {r['tokens_per_s']:.1f} | {r['vs_chain_tokens_per_s']:.2f}x | "
             f"{r['vs_chain_paired']:.2f}x | {r['vs_chain_per_step']:.2f}x | "
-            f"{r['acceptance_length']:.2f} | "
+            f"{r['acceptance_length_all']:.2f} | "
             f"{r['ms_per_step']:.2f} | {r['tokens_per_step']:.2f} | {r['k_per_bucket']} | "
             f"{r['tree_step_share']:.0%} |")
 

@@ -256,9 +256,11 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
     build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2),
                            rollout=RolloutConfig(kv_cache_gb=0.01)), graphdef,
                   model_cfg.replace(mtp=True))
-  drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2, tree_depth=1)),
+  drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2, tree_depth=1,
+                                                        tree_argmax=True)),
                              graphdef, model_cfg.replace(mtp=True))
   assert (drafter.tree_width, drafter.tree_depth, drafter.tree.nodes) == (2, 1, 1 + 3 + 1)
+  assert drafter.tree_argmax
   bad = tmp_path / "bad.yaml"
   bad.write_text("grpo:\n  group_sise: 4\n")
   with pytest.raises(ValueError, match=r"RLConfig.grpo.group_sise: unknown field"):

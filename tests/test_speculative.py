@@ -184,16 +184,21 @@ def ar_samples(target):
   return generate(target, prompts, lengths, jax.random.key(10), SAMPLE)
 
 
-@pytest.fixture(scope="module", params=["draft_model", "ngram", "draft_model_tree"])
+@pytest.fixture(scope="module",
+                params=["draft_model", "ngram", "draft_model_tree", "draft_model_tree_argmax"])
 def spec_samples(request, target):
   prompts, lengths = stat_prompts()
   if request.param == "ngram":
     drafter, params = NgramDrafter(K, n=2), ()
   else:  # an unrelated random draft: q far from p, the residual correction matters
     other = Decoder(CFG.replace(num_layers=1), rngs=nnx.Rngs(7))
-    # (a tree: the draft's 2 next most likely tokens tried at each depth after a rejection)
+    # (a tree: the draft's 2 next most likely tokens tried at each depth after a rejection;
+    # argmax: its chain the draft's most likely tokens, alternatives at the first depth only)
+    tree = "_tree" in request.param
+    argmax = request.param.endswith("argmax")
     drafter, params = DraftModelDrafter.from_model(
-        other, K, tree_width=3 if request.param.endswith("tree") else 1)
+        other, K, tree_width=3 if tree else 1, tree_depth=1 if argmax else 0,
+        tree_argmax=argmax)
   return request.param, speculative_generate(target, drafter, params, prompts, lengths,
                                              jax.random.key(20), SAMPLE, engine=ENGINE)
 

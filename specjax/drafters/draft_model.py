@@ -67,8 +67,8 @@ class DraftModelDrafter(Drafter):
     # only the prefill starts every row at position 0; a verify step leaves nothing to do
     return jax.lax.cond(jnp.all(step.start == 0), encode_prompt, lambda cache: cache, state)
 
-  def _sample(self, key, logits):
-    if self.temperature == 0:
+  def _sample(self, key, logits, argmax: bool = False):
+    if self.temperature == 0 or argmax:
       return jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     logq = process_logits(logits, temperature=self.temperature, top_k=self.top_k,
                           top_p=self.top_p)
@@ -94,13 +94,14 @@ class DraftModelDrafter(Drafter):
     inputs = jnp.take_along_axis(seq.tokens, idx, axis=1)
     out = model(inputs, cache=state.with_lengths(lengths - 2), compute_logits=False)
     keys = jax.random.split(key, self.draft_len)
+    argmax = alternatives and self.tree_argmax
     first_logits = model.head(out.hidden[:, -1:])[:, 0]
-    first, q_first = self._sample(keys[0], first_logits)
+    first, q_first = self._sample(keys[0], first_logits, argmax)
 
     def step(carry, k):
       cache, tok = carry
       o = model(tok[:, None], cache=cache)
-      nxt, q = self._sample(k, o.logits[:, 0])
+      nxt, q = self._sample(k, o.logits[:, 0], argmax)
       return (o.cache.advance(1), nxt), (nxt, q, alts(o.logits[:, 0], nxt))
 
     (cache, _), (rest, q_rest, alts_rest) = jax.lax.scan(

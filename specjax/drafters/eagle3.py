@@ -98,9 +98,9 @@ class ChainDrafter(Drafter):
     # the first draft's logits are left to `propose`: a plain AR step observes without drafting
     return ChainState(cache=cache.with_lengths(step.start + step.num_new), hidden=hidden)
 
-  def _pick(self, params, logits: jax.Array, key: jax.Array):
+  def _pick(self, params, logits: jax.Array, key: jax.Array, argmax: bool = False):
     maps = self.vocab_maps(params)
-    if self.temperature == 0:
+    if self.temperature == 0 or argmax:
       ids, probs = jnp.argmax(logits, axis=-1).astype(jnp.int32), None
     else:
       logp = jax.nn.log_softmax(logits / self.temperature, axis=-1)
@@ -130,8 +130,9 @@ class ChainDrafter(Drafter):
     keys = jax.random.split(key, self.draft_len)
     alts = (lambda logits, tok: self._alternatives(params, logits, tok)) if alternatives else \
         (lambda logits, tok: jnp.zeros((tok.shape[0], 0), jnp.int32))
+    argmax = alternatives and self.tree_argmax
     first_logits = self.draft_logits(params, state.hidden)
-    first_tok, first_probs = self._pick(params, first_logits, keys[0])
+    first_tok, first_probs = self._pick(params, first_logits, keys[0], argmax)
     first_alts = alts(first_logits, first_tok)
     committed = state.cache.lengths
 
@@ -142,7 +143,7 @@ class ChainDrafter(Drafter):
                             cache.with_lengths(committed + k - 1))
       hidden = out[:, 0]
       logits = self.draft_logits(params, hidden)
-      nxt, probs = self._pick(params, logits, step_key)
+      nxt, probs = self._pick(params, logits, step_key, argmax)
       return (hidden, nxt, cache), (nxt, probs, alts(logits, nxt))
 
     steps = (jnp.arange(1, self.draft_len, dtype=jnp.int32), keys[1:])

@@ -31,6 +31,7 @@ class DraftConfig:
   # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense caches)
   tree_width: int = 1
   tree_depth: int = 0  # the tree's alternatives at the chain's first tree_depth depths (0: all)
+  tree_argmax: bool = False  # a tree's chain of the drafter's most likely tokens, not samples
   online: bool = False  # train the draft inside the RL train step; kinds without an online loss
   # (all but eagle3, mtp) have nothing to train and read it as False
   loss_weight: float = 1.0  # lambda in  loss = GRPO + lambda * draft loss

@@ -84,7 +84,8 @@ def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None)
     if cfg.rollout.kv_cache_gb > 0 or cfg.rollout.kv_cache_fraction > 0:
       raise ValueError(f"DraftConfig.tree_width={width}: draft trees are verified over dense "
                        f"caches; set rollout.kv_cache_gb and rollout.kv_cache_fraction to 0")
-    drafter = dataclasses.replace(drafter, tree_width=width, tree_depth=cfg.draft.tree_depth)
+    drafter = dataclasses.replace(drafter, tree_width=width, tree_depth=cfg.draft.tree_depth,
+                                  tree_argmax=cfg.draft.tree_argmax)
   return drafter, params
 
 

@@ -67,6 +67,11 @@ class Drafter:
   tree_width: int = 1
   # the first depths of the chain that carry the tree's alternatives (0: every depth)
   tree_depth: int = 0
+  # a tree's chain of the drafter's most likely tokens (deterministic drafts, accepted with the
+  # target's p(x)) instead of samples from its distribution: with the alternatives, each depth
+  # then offers its W best candidates, where a sampled chain's rejection leaves the residual to
+  # tokens the drafter underrates
+  tree_argmax: bool = False
 
   @property
   def drafts_trees(self) -> bool:
