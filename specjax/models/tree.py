@@ -4,10 +4,10 @@ A chain of K drafts, and at each of its first D depths i = 1..D (`depth`; 0: all
 `width - 1` alternatives to the chain's draft there: leaves whose parent is the chain's node at
 depth i - 1. Node 0 is the root (the row's last committed token), nodes 1..K the chain, then the
 alternatives depth by depth. A chain reaches depth i less often the deeper i lies, so the first
-depths' alternatives buy most of a tree's extra acceptance for fewer scored positions. The forward writes
-node t's keys and values at cache slot `lengths + t` and gives it the position `lengths +
-depth(t)`; node t attends to the committed cache and to its ancestors (itself included). A
-`width` of 1 is the plain chain.
+depths' alternatives buy most of a tree's extra acceptance for fewer scored positions. The
+forward writes node t's keys and values at cache slot `lengths + t` and gives it the position
+`lengths + depth(t)`; node t attends to the committed cache and to its ancestors (itself
+included). A `width` of 1 is the plain chain.
 """
 
 from __future__ import annotations

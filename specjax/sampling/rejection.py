@@ -150,11 +150,11 @@ def verify_tree(key: jax.Array, target_logits: jax.Array, draft_tokens: jax.Arra
   e.g. its next most likely ones), scored by `target_logits[B, 1 + K + D * (W-1), V]` at the
   tree's nodes (`DraftTree(K, W, D)`).
 
-  The chain is verified as by `verify`. Where its draft at depth i is rejected, the alternatives
-  at depth i (if i <= D) are tried in turn against what the target still owes: the residual r of that
-  position; alternative x is accepted with probability r(x), and on a rejection r loses x and is
-  renormalised. Once every alternative is rejected the token is drawn from what is left; an
-  accepted alternative is followed by a token drawn from the target at its node. Every token is
+  The chain is verified as by `verify`. Where its draft at depth i <= D is rejected, the
+  alternatives at depth i are tried in turn against what the target still owes: the residual r
+  of that position; alternative x is accepted with probability r(x), and on a rejection r loses
+  x and is renormalised. Once every alternative is rejected the token is drawn from what is left;
+  an accepted alternative is followed by a token drawn from the target at its node. Every token is
   thus distributed exactly as sampling the processed target one token at a time, and more are
   accepted than by the chain alone. Greedy (`temperature == 0`): an alternative is accepted when
   it is the target's argmax.
