@@ -9,7 +9,8 @@ The target, workload and drafters are `bench_engine.py`'s (a 25.7M-parameter Mar
 target, temperature 1, long-tailed lengths; `draft_model`: its first layer; `eagle3`: a head
 trained offline by the TTT loss). Per batch and drafter, arms `<drafter>_w<W>` (`_w<W>d<D>`:
 alternatives at the first D depths only, `--depths`; a final `t`: the tree's chain of the
-drafter's most likely tokens, `--chains argmax`): the plain loop at fixed K (`--k`), every row stepped to the end (so the live batch is the batch), and
+drafter's most likely tokens, `--chains argmax`): the plain loop at fixed K (`--k`), every row
+stepped to the end (so the live batch is the batch), and
 `<drafter>_w<W>_adaptive`: the engine's defaults (compaction, K chosen per bucket from measured
 costs; with W > 1 the chain or the tree per segment, whichever promises more). Arms run
 interleaved (`bench_engine.interleaved_runs`) after an untimed call each; tokens/s over the timed
@@ -162,7 +163,7 @@ def main(argv=None) -> dict:
       chain = runs[_chain_of(n)]
       rec["vs_chain_tokens_per_s"] = rec["tokens_per_s"] / chain["tokens_per_s"]
       rec["vs_chain_paired"] = be.paired_ratio(chain, rec) if rec is not chain else 1.0
-      # tokens per second of stepping alone (the last call's steps, no per-call costs)
+      # tokens per second of stepping alone (every timed call's steps, no per-call costs)
       rec["vs_chain_per_step"] = (rec["tokens_per_step"] / rec["ms_per_step"]) / \
           (chain["tokens_per_step"] / chain["ms_per_step"])
       log(f"  {n:26s} {rec['tokens_per_s']:8.1f} tok/s  x{rec['vs_chain_tokens_per_s']:.2f} "
