@@ -72,9 +72,28 @@ def verify_tree_without_residual(key, target_logits, draft_tokens, draft_probs, 
   return res.replace(tokens=tokens), path
 
 
+def verify_tree_bonus_without_alternatives(key, target_logits, draft_tokens, draft_probs,
+                                           alternatives, **setting):
+  """A BROKEN tree verifier for the tests only: a row whose chain was accepted whole draws its
+  bonus token from p with the last depth's alternatives left out."""
+  k = draft_tokens.shape[1]
+  res, path = verify_tree(key, target_logits, draft_tokens, draft_probs, alternatives, **setting)
+  rows = jnp.arange(draft_tokens.shape[0])
+  logp = process_logits(target_logits[:, k], **setting)
+  logp = logp.at[rows[:, None], alternatives[:, -1]].set(-jnp.inf)
+  redrawn = jax.random.categorical(jax.random.fold_in(key, 11), logp, axis=-1)
+  whole = (res.num_accepted == k) & (path[:, k] == k)
+  tokens = res.tokens.at[:, k].set(jnp.where(whole, redrawn, res.tokens[:, k]))
+  return res.replace(tokens=tokens), path
+
+
+BROKEN = {"": verify_tree, "residual": verify_tree_without_residual,
+          "bonus": verify_tree_bonus_without_alternatives}
+
+
 @functools.partial(jax.jit, static_argnames=("setting", "deterministic", "broken", "depth"))
 def _verify(key, first_logits, next_logits, q_first, q_next, drafts, alts, *, setting,
-            deterministic, broken=False, depth=DRAFT_LEN):
+            deterministic, broken="", depth=DRAFT_LEN):
   rows = drafts.shape[0]
   alts = alts[:, :depth]  # alternatives at the first `depth` depths only
   chain_logits = jnp.concatenate([jnp.broadcast_to(first_logits, (rows, 1, VOCAB)),
@@ -82,7 +101,7 @@ def _verify(key, first_logits, next_logits, q_first, q_next, drafts, alts, *, se
   target_logits = jnp.concatenate([chain_logits, next_logits[alts.reshape(rows, -1)]], axis=1)
   probs = jnp.concatenate([jnp.broadcast_to(q_first, (rows, 1, VOCAB)),
                            q_next[drafts[:, :-1]]], axis=1)
-  fn = verify_tree_without_residual if broken else verify_tree
+  fn = BROKEN[broken]
   res, path = fn(key, target_logits, drafts, None if deterministic else probs, alts,
                  **dict(setting))
   chain = verify(key, chain_logits, drafts, None if deterministic else probs, **dict(setting))
@@ -90,7 +109,7 @@ def _verify(key, first_logits, next_logits, q_first, q_next, drafts, alts, *, se
 
 
 @functools.lru_cache(maxsize=None)
-def _sampled(setting: str, draft: str, broken: bool = False, depth: int = DRAFT_LEN):
+def _sampled(setting: str, draft: str, broken: str = "", depth: int = DRAFT_LEN):
   first_logits, next_logits, q_first, q_next, _, p_next = _case(setting, draft)
   seed = 2000 + 10 * DRAFTS.index(draft) + list(SETTINGS).index(setting)
   rng = np.random.default_rng(seed)
@@ -112,6 +131,15 @@ def _sampled(setting: str, draft: str, broken: bool = False, depth: int = DRAFT_
   return seq, num_accepted, path, chain_accepted
 
 
+def _last_pair(p_first, p_next):
+  """The joint of (token DRAFT_LEN - 1, token DRAFT_LEN), flattened: the chain's marginal at
+  DRAFT_LEN - 1 times p(x | previous)."""
+  marginal = p_first
+  for _ in range(DRAFT_LEN - 1):
+    marginal = marginal @ p_next
+  return (marginal[:, None] * p_next).reshape(-1)
+
+
 GRID = [(s, d, DRAFT_LEN) for s in SETTINGS for d in DRAFTS] + \
     [("temperature_1", "random", 1)]  # alternatives at the first depth only
 
@@ -125,12 +153,8 @@ def test_tree_verification_keeps_the_target_distribution(setting, draft, depth):
                            (p_first[:, None] * p_next).reshape(-1), ALPHA,
                            what=f"(first, second) {setting}/{draft}")
   # the last two positions: the bonus token after a whole accepted chain comes last
-  marginal = p_first
-  for _ in range(DRAFT_LEN - 1):
-    marginal = marginal @ p_next
-  assert_same_distribution(pair_index(seq[:, -2], seq[:, -1], VOCAB),
-                           (marginal[:, None] * p_next).reshape(-1), ALPHA,
-                           what=f"(token {DRAFT_LEN - 1}, token {DRAFT_LEN}) {setting}/{draft}")
+  assert_same_distribution(pair_index(seq[:, -2], seq[:, -1], VOCAB), _last_pair(p_first, p_next),
+                           ALPHA, what=f"last pair {setting}/{draft}")
 
 
 @pytest.mark.parametrize("setting,draft,depth", GRID)
@@ -148,11 +172,19 @@ def test_alternatives_add_accepted_tokens_to_the_chains(setting, draft, depth):
 
 
 def test_accepting_alternatives_by_the_target_instead_of_the_residual_fails_the_check():
-  seq, *_ = _sampled("temperature_1", "random", broken=True)
+  seq, *_ = _sampled("temperature_1", "random", broken="residual")
   first = seq[:, 0]
   p_first = _case("temperature_1", "random")[4]
   with pytest.raises(AssertionError, match="not distributed as expected"):
     assert_same_distribution(first, p_first, ALPHA, what="broken tree verifier")
+
+
+def test_a_bonus_token_without_the_last_alternatives_fails_the_last_pair_check():
+  seq, *_ = _sampled("temperature_1", "random", broken="bonus")
+  *_, p_first, p_next = _case("temperature_1", "random")
+  with pytest.raises(AssertionError, match="not distributed as expected"):
+    assert_same_distribution(pair_index(seq[:, -2], seq[:, -1], VOCAB),
+                             _last_pair(p_first, p_next), ALPHA, what="broken bonus token")
 
 
 def test_greedy_takes_an_alternative_that_is_the_argmax_and_continues_from_its_node():
