@@ -15,6 +15,7 @@ from specjax.sampling import (STATIC, Drafter, EngineConfig, EngineTuning, Sampl
 from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine as eng
 from specjax.sampling import buckets
+from specjax.sampling.calibration import CostCache, CostTable
 from specjax.sampling.adaptive import (AcceptanceEstimate, DraftLenPolicy, DraftShapePolicy,
                                       best_draft_len)
 from specjax.sharding import MeshConfig, make_mesh, shard_model
@@ -455,6 +456,108 @@ def test_measured_costs_belong_to_the_tuning_object_passed_in(target):
            for r in shared.calibration_table()}
   assert again == first  # the startup calibration was reused, not measured again
   assert other.calibration_table() == [] and len(other.estimates) == 0
+
+
+def test_a_cached_cost_is_checked_once_against_the_runs_own_steps(tmp_path):
+  """A cost read from the machine's cache is weighed against this run's segments once they ran
+  `steps` steps of it: within `factor` it stays (and is not checked again); outside, it is
+  dropped, measured again, and the new figure replaces the cached one in the file. Costs this
+  run measured, or adopted from a stored tuning, are never checked."""
+  path = str(tmp_path / "costs.json")
+  cache = CostCache(path)
+  kept, stale, own = ("p", 8, 0), ("p", 8, 3), ("p", 4, 0)
+  cache.put_if_absent(kept, 0.010, 0.001)
+  cache.put_if_absent(stale, 0.010, 0.0)
+  table = CostTable(CostCache(path))
+  never = lambda m: pytest.fail("measured a cached cost")
+  assert table.step_cost(kept, never, 2, 1) == 0.010
+  assert table.step_cost(stale, never, 2, 1) == 0.010
+  # (a process's first segment of a program is left out: it may set up the program's dispatch)
+  assert not table.check_cached(kept, 100, 100.0, 1.5, 20)
+  assert not table.check_cached(stale, 100, 100.0, 1.5, 20)
+  # 10 + 10 steps at 14 ms (within 1.5x): kept; then it is not checked again, however far off
+  assert not table.check_cached(kept, 10, 10 * 0.014 + 0.001, 1.5, 20)
+  assert not table.check_cached(kept, 10, 10 * 0.014 + 0.001, 1.5, 20)
+  assert not table.check_cached(kept, 100, 100.0, 1.5, 20)
+  assert table.has(kept) and table.remeasured == {}
+  # 20 steps at 30 ms against a cached 10: dropped, and measured again when next asked for
+  assert table.check_cached(stale, 20, 20 * 0.030, 1.5, 20)
+  assert not table.has(stale)
+  calls = []
+
+  def run(m):
+    calls.append(m)
+    return m, 0.002 + m * 0.028  # (steps, seconds): 28 ms per step, 2 ms fixed
+
+  assert table.step_cost(stale, run, 2, 1) == pytest.approx(0.028)
+  assert calls == [2, 2, 4]  # one untimed run, then n and 2n steps
+  assert CostCache(path).get(stale) == pytest.approx((0.028, 0.002))
+  assert CostCache(path).get(kept) == (0.010, 0.001)
+  row = table.remeasured[stale]
+  assert row["cached_step_s"] == 0.010 and row["observed_step_s"] == pytest.approx(0.030)
+  assert row["measured_step_s"] == pytest.approx(0.028) and row["observed_steps"] == 20
+  assert [r["remeasured"] for r in table.rows() if r["bucket"] == 8] == [False, True]
+  # another run that rejected the same stale figure adopts the first replacement
+  other = CostTable(CostCache(path))
+  other._stale[stale] = (0.010, 0.0)
+  assert other.step_cost(stale, lambda m: (m, 0.1 * m), 2, 1) == pytest.approx(0.028)
+  # measured by this run, or adopted from a stored tuning: never checked
+  assert table.step_cost(own, run, 2, 1) == pytest.approx(0.028)
+  assert not table.check_cached(own, 100, 100.0, 1.5, 20)
+  resumed = CostTable(CostCache(path))
+  resumed.load_json(table.to_json())
+  assert not resumed.check_cached(kept, 100, 100.0, 1.5, 20)
+  # the RL run's setting reaches the engine; a factor of 1 or less is a clear error
+  from specjax.rl.config import RLConfig, RolloutConfig
+  from specjax.rl.rollout import engine_config
+  cfg = RLConfig(rollout=RolloutConfig(recheck_cached_costs=2.0))
+  assert engine_config(cfg).recheck_cached_costs == 2.0
+  with pytest.raises(ValueError, match="RolloutConfig.recheck_cached_costs.*got 0.5"):
+    RolloutConfig(recheck_cached_costs=0.5)
+  with pytest.raises(ValueError, match="EngineConfig.recheck_cached_costs.*got 1.0"):
+    EngineConfig(recheck_cached_costs=1.0)
+
+
+def test_a_cost_cache_a_rollout_contradicts_is_measured_again(target, static_ar, tmp_path):
+  """Costs a first rollout stored in the machine's cache, then made 50x too high (as if measured
+  on a loaded machine): a run reading them measures again each one its segments ran for
+  `recheck_steps` steps (after the first segment) and writes the new figures to the file; with
+  the check off, the stale figures stay. Either way the tokens are the plain loop's."""
+  import json
+  path = str(tmp_path / "costs.json")
+  engine = EngineConfig(calibration_repeats=1, recheck_steps=4)
+  drafter, params = NgramDrafter(draft_len=2, n=2), ()
+  call = lambda tuning, engine: speculative_generate(
+      target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY,
+      engine=engine, tuning=tuning)
+  assert_same_rollout(call(EngineTuning.with_cache(path), engine), static_ar)
+  with open(path) as f:
+    data = json.load(f)
+  data["costs"] = {k: [v[0] * 50, v[1]] for k, v in data["costs"].items()}
+  with open(path, "w") as f:
+    json.dump(data, f)
+  for check, want in ((0.0, False), (1.5, True)):
+    tuning = EngineTuning.with_cache(path)
+    for _ in range(3):  # (a key's first segment in a process is not weighed)
+      out = call(tuning, dataclasses.replace(engine, recheck_cached_costs=check))
+      assert_same_rollout(out, static_ar)
+    remeasured = tuning.costs.remeasured
+    assert bool(remeasured) == want
+    with open(path) as f:
+      stored = json.load(f)["costs"]
+    by_key = {tuple(k.rsplit("/", 2)[1:]): v for k, v in stored.items()}
+    # (a cost dropped in a rollout's last segment at its bucket is measured in a later one)
+    assert not want or any(r["measured_step_s"] is not None for r in remeasured.values())
+    for key, row in remeasured.items():
+      assert row["observed_steps"] >= 4
+      assert row["observed_step_s"] < row["cached_step_s"] / 1.5
+      in_file = by_key[(str(key[-2]), str(key[-1]))][0]
+      if row["measured_step_s"] is None:
+        assert in_file == row["cached_step_s"]
+      else:
+        assert in_file == row["measured_step_s"] < row["cached_step_s"] / 1.5
+    if not want:
+      assert stored == data["costs"]
 
 
 def test_a_dry_segment_steps_and_gives_the_state_back_as_it_was(target):

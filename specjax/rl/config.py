@@ -129,6 +129,9 @@ class RolloutConfig:
   # (EngineConfig.cost_memory: K then follows the machine's load, not reproducible)
   cost_cache: str = ""
   cost_memory: float = _ENGINE.cost_memory
+  # a cost read from that cache (another run's) is checked once against this run's own steps
+  # and measured again where they differ from it by more than this factor (0: never)
+  recheck_cached_costs: float = _ENGINE.recheck_cached_costs
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -156,6 +159,9 @@ class RolloutConfig:
     _check(self.page_size >= 1, f"{w}.page_size", f"must be >= 1, got {self.page_size}")
     _check(self.cost_memory >= 0, f"{w}.cost_memory", f"must be >= 0 (0: no refinement), got "
            f"{self.cost_memory}")
+    _check(self.recheck_cached_costs == 0 or self.recheck_cached_costs > 1,
+           f"{w}.recheck_cached_costs",
+           f"must be 0 (never) or > 1, got {self.recheck_cached_costs}")
 
 
 @dataclasses.dataclass(frozen=True)

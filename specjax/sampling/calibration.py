@@ -22,6 +22,7 @@ import errno
 import functools
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -34,6 +35,7 @@ from specjax.sampling.adaptive import AcceptanceEstimates
 TUNING_FORMAT = 1
 COST_CACHE_ENV = "SPECJAX_COST_CACHE"  # overrides the default cost cache path ("off": none)
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+_log = logging.getLogger(__name__)
 
 
 def default_cost_cache_path() -> str:
@@ -129,6 +131,17 @@ class CostCache:
 
   def put_if_absent(self, key: tuple, step_s: float, segment_s: float) -> tuple[float, float]:
     """Store the costs of `key` unless the file has them already; returns the stored ones."""
+    return self._put(key, (step_s, segment_s), None)
+
+  def replace(self, key: tuple, stale: tuple[float, float],
+              costs: tuple[float, float]) -> tuple[float, float]:
+    """Store `costs` for `key` in place of `stale` (a figure a run found contradicted by its own
+    timings), unless another run replaced it already (its figure then stays); returns the
+    stored ones."""
+    return self._put(key, costs, stale)
+
+  def _put(self, key: tuple, costs: tuple[float, float],
+           stale: tuple[float, float] | None) -> tuple[float, float]:
     import fcntl
 
     try:
@@ -137,8 +150,9 @@ class CostCache:
         fcntl.flock(lock, fcntl.LOCK_EX)
         entries = self._read()
         name = _cost_key(key)
-        if name not in entries:
-          entries[name] = [float(step_s), float(segment_s)]
+        if name not in entries or (stale is not None and
+                                   tuple(map(float, entries[name])) == tuple(map(float, stale))):
+          entries[name] = [float(costs[0]), float(costs[1])]
           write_json_atomic(self.path, {"format": TUNING_FORMAT, "costs": entries})
         self._entries = entries
         return float(entries[name][0]), float(entries[name][1])
@@ -179,7 +193,11 @@ class CostTable:
   `cache`: the machine's `CostCache`; a cost not in the table is read from it, and one measured
   here is written to it (the value already there wins). A queue's refill cost is kept the same
   way under (program, rows prefilled at once, -1): seconds per prefill in place of a step's,
-  fixed seconds per refill (admission, the host round trip) in place of a segment's."""
+  fixed seconds per refill (admission, the host round trip) in place of a segment's.
+
+  A cost read from the cache was measured by another run, perhaps under other load: it is
+  checked once against this run's own segments (`check_cached`), and measured again where they
+  contradict it."""
 
   def __init__(self, cache: CostCache | None = None):
     self.cache = cache
@@ -189,6 +207,13 @@ class CostTable:
     self._calibrated: dict[tuple, list] = {}  # ... -> [startup seconds per step, steps refined]
     self._prepared: set[tuple] = set()  # keys of runs whose programs are all compiled
     self._from_line: set[tuple] = set()  # keys whose startup cost came from `line`, not a timing
+    # keys whose cost was read from `cache` and not yet checked: [seconds, steps, segments] of
+    # their segments so far (fixed costs taken off; the first segment left out)
+    self._unchecked: dict[tuple, list] = {}
+    # keys whose cached cost this run's segments contradicted: (step, segment) seconds rejected,
+    # replaced in the cache once measured again
+    self._stale: dict[tuple, tuple[float, float]] = {}
+    self.remeasured: dict[tuple, dict] = {}  # key -> {"cached_step_s", "observed_step_s", ...}
 
   def program_id(self, program: tuple) -> str:
     got = self._program_ids.get(program)
@@ -214,11 +239,13 @@ class CostTable:
     (dispatch, loop entry, the host round trip), which would otherwise weigh on cheap steps more
     than on dear ones. The fastest of `repeats` timings of each is kept, since load on the
     machine only ever adds time. With a `cache`, a key it holds is not measured, and a measured
-    one is stored there (the value another run stored first wins)."""
-    if key not in self._step and self.cache is not None:
+    one is stored there (the value another run stored first wins); a cached cost that
+    `check_cached` rejected is measured here again and replaces it in the cache."""
+    if key not in self._step and self.cache is not None and key not in self._stale:
       got = _agreed(self.cache.get(key) if _process_index() == 0 else None)
       if got is not None:
         self._set(key, *got)
+        self._unchecked[key] = [0.0, 0, 0]
     if key not in self._step:
       run(iters)
       best = {iters: (float("inf"), 0), 2 * iters: (float("inf"), 0)}
@@ -234,9 +261,53 @@ class CostTable:
       slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else t2 / max(i2, 1)
       segment = max(t2 - slope * i2, 0.0)
       if self.cache is not None and _process_index() == 0:
-        slope, segment = self.cache.put_if_absent(key, slope, segment)
+        if key in self._stale:
+          slope, segment = self.cache.replace(key, self._stale[key], (slope, segment))
+        else:
+          slope, segment = self.cache.put_if_absent(key, slope, segment)
       self._set(key, *_agreed((slope, segment)))
+      if key in self.remeasured:
+        self.remeasured[key]["measured_step_s"] = self._step[key]
     return self._step[key]
+
+  def check_cached(self, key: tuple, iters: int, seconds: float, factor: float,
+                   steps: int) -> bool:
+    """Weigh a cached cost against the segments of this run that ran `key` (`iters` steps in
+    `seconds`, the segment's fixed cost taken off), but the first: a process's first call of a
+    program compiled ahead also sets up its dispatch, a cost per process the cached figure
+    leaves out (a calibration's untimed run takes it). Once they add up to `steps` steps, it is
+    checked, once: where their seconds per step differ from it by more than `factor` either
+    way, it was measured under other conditions (a loaded machine, a noisy slope), so it is
+    dropped, and the next `step_cost` of `key` measures it again and replaces it in the cache.
+    Returns True when it was dropped. A cost measured by this run, or adopted from a stored
+    tuning (`load_json`, a resumed run), is never checked. In a multi-process job process 0's
+    timings decide for all (the point of the check, a count of steps, is the same in every
+    process)."""
+    seen = self._unchecked.get(key)
+    if seen is None or factor <= 0 or iters <= 0:
+      return False
+    seen[2] += 1
+    if seen[2] == 1:
+      return False
+    seen[0] += max(seconds - self._segment[key], 0.0)
+    seen[1] += iters
+    if seen[1] < steps:
+      return False
+    del self._unchecked[key]
+    observed = _agreed((seen[0] / seen[1], float(seen[1])))[0]
+    cached = self._calibrated[key][0]
+    if cached / factor <= observed <= cached * factor:
+      return False
+    self._stale[key] = (cached, self._segment[key])
+    self.remeasured[key] = {"bucket": key[-2], "draft_len": key[-1], "cached_step_s": cached,
+                            "observed_step_s": observed, "observed_steps": seen[1],
+                            "measured_step_s": None}
+    del self._step[key], self._segment[key], self._calibrated[key]
+    _log.warning("engine cost cache %s: bucket %d, K %d: the cached %.2f ms per step is "
+                 "contradicted by this run's %d steps at %.2f ms; measuring it again",
+                 self.cache.path if self.cache is not None else "(none)", key[-2], key[-1],
+                 cached * 1e3, seen[1], observed * 1e3)
+    return True
 
   def _set(self, key: tuple, step_s: float, segment_s: float) -> None:
     self._step[key] = step_s
@@ -282,14 +353,16 @@ class CostTable:
 
   def rows(self) -> list[dict]:
     """[{"bucket", "draft_len", "step_s", "segment_s", "calibrated_step_s", "steps_measured",
-    "from_line"}]: seconds per step the engine now uses (the startup calibration refined by the
-    segments of later rollouts), the fixed seconds per segment, the startup figure, how many
-    in-rollout steps refined it, and whether the startup figure came from `line` rather than a
-    timing. (A queue's refill costs, kept under K = -1 with the prefill in place of the step,
-    are left out.)"""
+    "from_line", "remeasured"}]: seconds per step the engine now uses (the startup calibration
+    refined by the segments of later rollouts), the fixed seconds per segment, the startup
+    figure, how many in-rollout steps refined it, whether the startup figure came from `line`
+    rather than a timing, and whether it replaced a cached figure this run contradicted
+    (`remeasured`). (A queue's refill costs, kept under K = -1 with the prefill in place of the
+    step, are left out.)"""
     return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": self._segment.get(k),
              "calibrated_step_s": self._calibrated[k][0],
-             "steps_measured": self._calibrated[k][1], "from_line": k in self._from_line}
+             "steps_measured": self._calibrated[k][1], "from_line": k in self._from_line,
+             "remeasured": k in self.remeasured}
             for k, v in self._step.items() if k[-1] >= 0]
 
   def to_json(self) -> list[dict]:
@@ -305,6 +378,7 @@ class CostTable:
       self._step[key] = float(r["step_s"])
       self._segment[key] = float(r["segment_s"])
       self._calibrated[key] = [float(r["calibrated_step_s"]), int(r["steps_measured"])]
+      self._unchecked.pop(key, None)
       if r.get("from_line"):
         self._from_line.add(key)
       else:

@@ -581,7 +581,11 @@ class _Run:
         self.policy.estimate(tw).add(k, float(drafts1 - drafts0),
                                  np.asarray(acc1 - acc0, np.float64))
       if self.adaptive and not self.policy.retired:  # the costs of the drafter's programs
-        self.costs.refine(self.cost_key(bucket, k, tw), iters, seconds, self.engine.cost_memory)
+        cost_key = self.cost_key(bucket, k, tw)
+        self.costs.refine(cost_key, iters, seconds, self.engine.cost_memory)
+        # (one dropped is measured again when the policy next asks for it)
+        self.costs.check_cached(cost_key, iters, seconds, self.engine.recheck_cached_costs,
+                                self.engine.recheck_steps)
       self.segments.append(Segment(bucket=bucket, draft_len=k, tree_width=tw, window=window,
                                    live_rows_start=live, iterations=iters,
                                    tokens=int(tokens_after - tokens_before), seconds=seconds,

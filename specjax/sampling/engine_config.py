@@ -62,6 +62,12 @@ class EngineConfig:
   # calibration, so that K choices depend on stored costs only and a seed gives one trajectory
   # (`calibration.py`); > 0 follows the machine's load, and two runs of one seed may differ
   cost_memory: float = 0.0
+  # a (bucket, K) cost read from the machine's cost cache (measured by an earlier run) is
+  # checked once, after this run's segments ran recheck_steps steps of it: if their seconds per
+  # step differ from it by more than this factor either way, it is measured again on the
+  # rollout's state and replaces the cached figure (`CostTable.check_cached`); 0: never checked
+  recheck_cached_costs: float = 1.5
+  recheck_steps: int = 32
   compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
   prior_acceptance: float = 0.6  # per-position acceptance assumed before any draft is seen
   prior_weight: float = 2.0  # in drafts
@@ -102,6 +108,9 @@ class EngineConfig:
     check(self.calibration_repeats >= 1, "calibration_repeats",
           f"must be >= 1, got {self.calibration_repeats}")
     check(self.cost_memory >= 0, "cost_memory", f"must be >= 0, got {self.cost_memory}")
+    check(self.recheck_cached_costs == 0 or self.recheck_cached_costs > 1,
+          "recheck_cached_costs", f"must be 0 (never) or > 1, got {self.recheck_cached_costs}")
+    check(self.recheck_steps >= 1, "recheck_steps", f"must be >= 1, got {self.recheck_steps}")
     check(self.compile_threads >= 0, "compile_threads",
           f"must be >= 0, got {self.compile_threads}")
     check(0 < self.prior_acceptance < 1, "prior_acceptance",
