@@ -17,6 +17,9 @@ untimed, then --repeats interleaved rounds):
                    rows between segments
   waves_spec       speculative in waves (draft model: the target's first --draft-layers layers)
   continuous_spec  speculative, one call with the queue, adaptive K
+  continuous_noaccept  the no-acceptance control: continuous_spec's engine and queue with a draft
+                   model of the same shape whose weights are random (init std 0.02: near-uniform
+                   drafts, almost never accepted); adaptive K must make it cost no more than AR
   dense            AR with the queue at one KV budget (`--kv-budget-rows` dense rows' worth of
                    target KV memory): dense caches, so the budget holds that many slots
   paged            AR with the queue at the same budget, paged (`EngineConfig.kv_cache_gb`): up
@@ -27,7 +30,7 @@ a side-by-side with the default, which reads only their live part. Tokens/s coun
 tokens; `rows.dense` / `rows.paged` are the rows each held at once
 (paged: the most live rows any segment started with, and the step-weighted mean). Prints a
 table, writes JSON (`arms.<arm>.tokens_per_s`, paired per-round ratios, the acceptance length
-and the K the engine chose, the queue arms' refill thresholds (`refill_at`: segments by the free
+and the K the engine chose with the step costs it chose from, the queue arms' refill thresholds (`refill_at`: segments by the free
 slots that made them return) and measured refill costs). Asserts nothing.
 """
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import statistics
 import sys
@@ -45,15 +49,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 import bench_engine as be  # noqa: E402
 from bench_io import write_json  # noqa: E402
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
-from specjax.models import cache  # noqa: E402
+from specjax.models import Decoder, cache  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
 
-ARMS = ("waves", "continuous", "waves_spec", "continuous_spec", "dense", "paged")
+ARMS = ("waves", "continuous", "waves_spec", "continuous_spec", "continuous_noaccept", "dense",
+        "paged")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,6 +136,10 @@ def main(argv=None) -> dict:
       f"(length quantiles / max_new on a choice sample: {quantiles})")
   drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, a.draft_layers),
                                                   draft_len=a.draft_len)
+  # the no-acceptance control's drafter: the same shape, random weights (near-uniform drafts)
+  noise = Decoder(dataclasses.replace(truncated_copy(target, a.draft_layers).cfg, init_std=0.02),
+                  rngs=nnx.Rngs(a.seed + 99))
+  noise_drafter, noise_params = DraftModelDrafter.from_model(noise, draft_len=a.draft_len)
   tunings = collections.defaultdict(EngineTuning)
   # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
   # timed call compiles a bucket the untimed one did not reach
@@ -159,8 +169,11 @@ def main(argv=None) -> dict:
         outs.append(generate(target, p, n, key, cfg, engine=plain, tuning=tunings["waves"]))
     return outs
 
-  def continuous(i: int, spec: bool):
+  def continuous(i: int, spec: bool, accept: bool = True):
     key = jax.random.key(i)
+    if spec and not accept:
+      return [speculative_generate(target, noise_drafter, noise_params, prompts, lens, key, cfg,
+                                   engine=queue, tuning=tunings["continuous_noaccept"])]
     if spec:
       return [speculative_generate(target, drafter, dparams, prompts, lens, key, cfg,
                                    engine=queue, tuning=tunings["continuous_spec"])]
@@ -173,6 +186,7 @@ def main(argv=None) -> dict:
 
   fns = {"waves": lambda i: waves(i, False), "continuous": lambda i: continuous(i, False),
          "waves_spec": lambda i: waves(i, True), "continuous_spec": lambda i: continuous(i, True),
+         "continuous_noaccept": lambda i: continuous(i, True, accept=False),
          "dense": lambda i: at_budget(i, "dense"), "paged": lambda i: at_budget(i, "paged")}
   fns = {k: fns[k] for k in a.arms}
   first, runs = {}, {k: {"seconds": [], "tokens": []} for k in fns}
@@ -196,7 +210,7 @@ def main(argv=None) -> dict:
     rec = {"tokens_per_s": statistics.median(rate), "seconds": r["seconds"],
            "tokens": r["tokens"], "first_call_s": first[name],
            "segments": sum(len(o.segments) for o in last[name])}
-    if name.endswith("spec"):
+    if name.endswith("spec") or name == "continuous_noaccept":
       counts = [AcceptanceMetrics.from_counts(o.stats) for o in last[name]]
       drafts = sum(c.num_drafts for c in counts)
       accepted = sum(c.num_accepted_tokens for c in counts)
@@ -206,7 +220,7 @@ def main(argv=None) -> dict:
         for s in o.segments:
           steps[s.draft_len] += s.iterations
       rec["steps_by_k"] = {int(k): int(v) for k, v in sorted(steps.items())}
-    if name in ("continuous", "continuous_spec", "dense", "paged"):
+    if name in ("continuous", "continuous_spec", "continuous_noaccept", "dense", "paged"):
       # the free slots that made each segment return to refill (chosen from measured costs),
       # and those costs: fixed seconds per refill, prefill seconds per row
       at = collections.Counter(s.refill_at for o in last[name] for s in o.segments if s.refill_at)
@@ -215,6 +229,9 @@ def main(argv=None) -> dict:
                               "prefill_rows": int(c["key"].split("/")[-2])}
                              for c in tunings[name].to_json()["costs"]
                              if c["key"].endswith("/-1")]
+    if name in ("continuous_spec", "continuous_noaccept", "waves_spec"):
+      # the step costs the K choices read (seconds per step by bucket and K)
+      rec["calibration"] = tunings[name].calibration_table()
     if name in ("dense", "paged"):
       segs = [s for o in last[name] for s in o.segments]
       steps = sum(s.iterations for s in segs)
@@ -234,6 +251,7 @@ def main(argv=None) -> dict:
             "continuous_spec/waves": ratio("continuous_spec", "waves"),
             "continuous_spec/continuous": ratio("continuous_spec", "continuous"),
             "waves_spec/waves": ratio("waves_spec", "waves"),
+            "continuous_noaccept/continuous": ratio("continuous_noaccept", "continuous"),
             "paged/dense": ratio("paged", "dense")}
   log(f"\n{'arm':>16} {'tokens/s':>9} {'first s':>8} {'segments':>9} {'acc len':>8}  "
       f"steps by K / segments by refill threshold")
