@@ -515,6 +515,12 @@ def queue_stage(a, results: dict) -> None:
            "length_max": int(lens.max()), "segments": len(segs), "steps": steps,
            "rows_max": max(s.live_rows_start for s in segs),
            "rows_mean": sum(s.live_rows_start * s.iterations for s in segs) / max(steps, 1),
+           # where the timed call went: the segments' steps (each segment's own time, its
+           # host round trip included) against the rest (prefills, admissions, harvests,
+           # compaction, the host between segments)
+           "segments_s": sum(s.seconds for s in segs),
+           "outside_segments_s": call - sum(s.seconds for s in segs),
+           "refills": sum(1 for s in segs if s.refill_at),
            "peak_memory_gb": peak_memory_gb()}
     if name == "continuous_spec":
       m = AcceptanceMetrics.from_counts(outs[0].stats)
@@ -530,7 +536,9 @@ def queue_stage(a, results: dict) -> None:
     base = stage["arms"].get("waves", {}).get("tokens_per_s")
     vs = f"  x{rec['tokens_per_s'] / base:.2f} of waves" if base else ""
     log(f"queue {a.queue_model} {name:15s}: {rec['tokens_per_s']:9.0f} tok/s  first call "
-        f"{first:6.1f} s  rows {rec['rows_max']} max / {rec['rows_mean']:.1f} mean  lengths "
+        f"{first:6.1f} s  {1e3 * rec['segments_s'] / max(steps, 1):.2f} ms/step in segments, "
+        f"{rec['outside_segments_s']:.3f} s outside ({rec['refills']} refills)  "
+        f"rows {rec['rows_max']} max / {rec['rows_mean']:.1f} mean  lengths "
         f"p10/p50/p90 {'/'.join(f'{x:.0f}' for x in rec['length_quantiles'])}{vs}")
     write(a, results)
   model = draft = dparams = None

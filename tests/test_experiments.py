@@ -201,6 +201,9 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   assert queue["rows"] == 12 and queue["kv_budget_dense_rows"] == 2
   for name, rec in queue["arms"].items():
     assert rec["tokens_per_s"] > 0 and rec["tokens"] > 0 and rec["rows_max"] <= 4, name
+    assert 0 < rec["segments_s"] < rec["call_s"], name  # the rest: prefills, admissions, ...
+    assert rec["outside_segments_s"] == pytest.approx(rec["call_s"] - rec["segments_s"])
+    assert (rec["refills"] > 0) == (name != "waves"), name  # 12 rows on at most 4 slots
   assert queue["arms"]["dense"]["rows_max"] <= 2  # its slots are the budget's rows
   # (whether the adaptive engine drafts at all follows its measured step costs: machine load)
   assert "acceptance_length" in queue["arms"]["continuous_spec"]
