@@ -130,7 +130,7 @@ class RolloutConfig:
   cost_cache: str = ""
   cost_memory: float = _ENGINE.cost_memory
   # a cost read from that cache (another run's) is checked once against this run's own steps
-  # and measured again where they differ from it by more than this factor (0: never)
+  # and replaced by their figure where they differ from it by more than this factor (0: never)
   recheck_cached_costs: float = _ENGINE.recheck_cached_costs
 
   def __post_init__(self):

@@ -196,8 +196,11 @@ class CostTable:
   fixed seconds per refill (admission, the host round trip) in place of a segment's.
 
   A cost read from the cache was measured by another run, perhaps under other load: it is
-  checked once against this run's own segments (`check_cached`), and measured again where they
-  contradict it."""
+  checked once against this run's own segments (`check_cached`), whose figure replaces it where
+  they contradict it.
+
+  Timed costs are kept monotone (`_set`): a step costs no less with more rows or a longer draft,
+  and load only adds time, so a timing above that of a larger (bucket, K) is taken for noise."""
 
   def __init__(self, cache: CostCache | None = None):
     self.cache = cache
@@ -208,12 +211,12 @@ class CostTable:
     self._prepared: set[tuple] = set()  # keys of runs whose programs are all compiled
     self._from_line: set[tuple] = set()  # keys whose startup cost came from `line`, not a timing
     # keys whose cost was read from `cache` and not yet checked: [seconds, steps, segments] of
-    # their segments so far (fixed costs taken off; the first segment left out)
+    # their segments so far (fixed costs taken off; the first segment left out), and the
+    # (step, segment) seconds read
     self._unchecked: dict[tuple, list] = {}
-    # keys whose cached cost this run's segments contradicted: (step, segment) seconds rejected,
-    # replaced in the cache once measured again
-    self._stale: dict[tuple, tuple[float, float]] = {}
-    self.remeasured: dict[tuple, dict] = {}  # key -> {"cached_step_s", "observed_step_s", ...}
+    # keys whose cached cost this run's segments contradicted and replaced:
+    # key -> {"bucket", "draft_len", "cached_step_s", "observed_step_s", "observed_steps"}
+    self.remeasured: dict[tuple, dict] = {}
 
   def program_id(self, program: tuple) -> str:
     got = self._program_ids.get(program)
@@ -241,11 +244,11 @@ class CostTable:
     machine only ever adds time. With a `cache`, a key it holds is not measured, and a measured
     one is stored there (the value another run stored first wins); a cached cost that
     `check_cached` rejected is measured here again and replaces it in the cache."""
-    if key not in self._step and self.cache is not None and key not in self._stale:
+    if key not in self._step and self.cache is not None:
       got = _agreed(self.cache.get(key) if _process_index() == 0 else None)
       if got is not None:
         self._set(key, *got)
-        self._unchecked[key] = [0.0, 0, 0]
+        self._unchecked[key] = [0.0, 0, 0, got]
     if key not in self._step:
       run(iters)
       best = {iters: (float("inf"), 0), 2 * iters: (float("inf"), 0)}
@@ -259,15 +262,12 @@ class CostTable:
           best[m] = min(best[m], (seconds, ran))
       (t1, i1), (t2, i2) = best[iters], best[2 * iters]
       slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else t2 / max(i2, 1)
+      # a segment's fixed cost is never negative: a steeper slope is noise in the longer timing
+      slope = min(slope, t2 / max(i2, 1))
       segment = max(t2 - slope * i2, 0.0)
       if self.cache is not None and _process_index() == 0:
-        if key in self._stale:
-          slope, segment = self.cache.replace(key, self._stale[key], (slope, segment))
-        else:
-          slope, segment = self.cache.put_if_absent(key, slope, segment)
+        slope, segment = self.cache.put_if_absent(key, slope, segment)
       self._set(key, *_agreed((slope, segment)))
-      if key in self.remeasured:
-        self.remeasured[key]["measured_step_s"] = self._step[key]
     return self._step[key]
 
   def check_cached(self, key: tuple, iters: int, seconds: float, factor: float,
@@ -277,9 +277,10 @@ class CostTable:
     program compiled ahead also sets up its dispatch, a cost per process the cached figure
     leaves out (a calibration's untimed run takes it). Once they add up to `steps` steps, it is
     checked, once: where their seconds per step differ from it by more than `factor` either
-    way, it was measured under other conditions (a loaded machine, a noisy slope), so it is
-    dropped, and the next `step_cost` of `key` measures it again and replaces it in the cache.
-    Returns True when it was dropped. A cost measured by this run, or adopted from a stored
+    way, it was measured under other conditions (a loaded machine, a noisy slope), so their
+    figure, from many more steps than a calibration times, replaces it in the table and in the
+    cache (unless another run replaced it there first: its figure then stands). Returns True
+    when it was replaced. A cost measured by this run, or adopted from a stored
     tuning (`load_json`, a resumed run), is never checked. In a multi-process job process 0's
     timings decide for all (the point of the check, a count of steps, is the same in every
     process)."""
@@ -295,24 +296,43 @@ class CostTable:
       return False
     del self._unchecked[key]
     observed = _agreed((seen[0] / seen[1], float(seen[1])))[0]
-    cached = self._calibrated[key][0]
+    cached = self._calibrated[key][0]  # (as the table uses it: `_set` may have lowered it)
     if cached / factor <= observed <= cached * factor:
       return False
-    self._stale[key] = (cached, self._segment[key])
+    new = (observed, seen[3][1])
+    if self.cache is not None and _process_index() == 0:
+      new = self.cache.replace(key, seen[3], new)
+    self._set(key, *_agreed(new))
     self.remeasured[key] = {"bucket": key[-2], "draft_len": key[-1], "cached_step_s": cached,
-                            "observed_step_s": observed, "observed_steps": seen[1],
-                            "measured_step_s": None}
-    del self._step[key], self._segment[key], self._calibrated[key]
+                            "observed_step_s": observed, "observed_steps": seen[1]}
     _log.warning("engine cost cache %s: bucket %d, K %d: the cached %.2f ms per step is "
-                 "contradicted by this run's %d steps at %.2f ms; measuring it again",
+                 "contradicted by this run's %d steps at %.2f ms, which replace it",
                  self.cache.path if self.cache is not None else "(none)", key[-2], key[-1],
                  cached * 1e3, seen[1], observed * 1e3)
     return True
 
   def _set(self, key: tuple, step_s: float, segment_s: float) -> None:
+    """Adopt a timed (or cached) cost, kept monotone: a step of a program costs no less with
+    more rows or a longer draft, and load only ever adds time, so a timing above that of a
+    larger (bucket, K) of the same program is noise: the key takes the smallest cost among the
+    timed keys that dominate it, and lowers those it dominates to its own. (A queue's refill
+    costs, K = -1, and costs from `line` are left as they are.)"""
+    if key[-1] >= 0:
+      for other, cost in self._timed_of(key):
+        if other[-2] >= key[-2] and other[-1] >= key[-1]:
+          step_s = min(step_s, cost)
     self._step[key] = step_s
     self._segment[key] = segment_s
     self._calibrated[key] = [step_s, 0]
+    if key[-1] >= 0:
+      for other, cost in self._timed_of(key):
+        if other[-2] <= key[-2] and other[-1] <= key[-1] and cost > step_s:
+          self._step[other] = self._calibrated[other][0] = step_s
+
+  def _timed_of(self, key: tuple) -> list[tuple[tuple, float]]:
+    """(key, cost) of the other timed costs of `key`'s program (K >= 0, not from `line`)."""
+    return [(k, v) for k, v in self._step.items()
+            if k[:-2] == key[:-2] and k != key and k[-1] >= 0 and k not in self._from_line]
 
   def has(self, key: tuple) -> bool:
     return key in self._step

@@ -583,7 +583,6 @@ class _Run:
       if self.adaptive and not self.policy.retired:  # the costs of the drafter's programs
         cost_key = self.cost_key(bucket, k, tw)
         self.costs.refine(cost_key, iters, seconds, self.engine.cost_memory)
-        # (one dropped is measured again when the policy next asks for it)
         self.costs.check_cached(cost_key, iters, seconds, self.engine.recheck_cached_costs,
                                 self.engine.recheck_steps)
       self.segments.append(Segment(bucket=bucket, draft_len=k, tree_width=tw, window=window,

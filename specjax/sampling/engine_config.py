@@ -64,8 +64,8 @@ class EngineConfig:
   cost_memory: float = 0.0
   # a (bucket, K) cost read from the machine's cost cache (measured by an earlier run) is
   # checked once, after this run's segments ran recheck_steps steps of it: if their seconds per
-  # step differ from it by more than this factor either way, it is measured again on the
-  # rollout's state and replaces the cached figure (`CostTable.check_cached`); 0: never checked
+  # step differ from it by more than this factor either way, their figure replaces it, in the
+  # table and in the cache (`CostTable.check_cached`); 0: never checked
   recheck_cached_costs: float = 1.5
   recheck_steps: int = 32
   compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
