@@ -521,6 +521,8 @@ def queue_stage(a, results: dict) -> None:
            "segments_s": sum(s.seconds for s in segs),
            "outside_segments_s": call - sum(s.seconds for s in segs),
            "refills": sum(1 for s in segs if s.refill_at),
+           "refill_at": {str(f): sum(1 for s in segs if s.refill_at == f)
+                         for f in sorted({s.refill_at for s in segs if s.refill_at})},
            "peak_memory_gb": peak_memory_gb()}
     if name == "continuous_spec":
       m = AcceptanceMetrics.from_counts(outs[0].stats)

@@ -192,6 +192,10 @@ def test_best_refill_weighs_a_refills_cost_against_idle_slots():
   assert policy.threshold(0.010) == 4  # no row has finished yet
   policy.observe(finished=8, steps=32)
   assert policy.threshold(0.010) == dear
+  # a segment's own fixed cost counts too: each refill ends a segment early
+  policy.costs = (0.0001, 0.0005)
+  assert policy.threshold(0.010) == cheap
+  assert policy.threshold(0.010, segment_s=0.5 - 0.0001) == dear
 
 
 def test_refills_chosen_from_measured_costs_keep_the_rollout_and_one_seed_gives_one(target,

@@ -242,9 +242,12 @@ class RefillPolicy:
     self.finished = self.decay * self.finished + finished
     self.steps = self.decay * self.steps + steps
 
-  def threshold(self, step_s: float) -> int:
+  def threshold(self, step_s: float, segment_s: float = 0.0) -> int:
+    """Free slots that make the next segment return; `segment_s`: a segment's fixed cost at the
+    bucket and K (its dispatch and host round trip), which every refill adds to the measured
+    refill cost, since it ends a segment that would otherwise have run on."""
     if self.costs is None or self.finished <= 0:
       return self.first
     refill_s, row_s = self.costs
-    return best_refill(self.slots, self.unit, step_s, self.finished / self.steps, refill_s,
-                       row_s)
+    return best_refill(self.slots, self.unit, step_s, self.finished / self.steps,
+                       refill_s + segment_s, row_s)

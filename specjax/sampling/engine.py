@@ -552,7 +552,8 @@ class _Run:
                                    *self.line_point(bucket, k, tw))
       refilling = waiting() > 0 and bucket == slots
       if refilling and refills.costs is not None:  # (K's step cost is measured by now)
-        refill = refills.threshold(self.cost(box, bucket, k, longest, tw))
+        refill = refills.threshold(self.cost(box, bucket, k, longest, tw),
+                                   self.costs.fixed_cost(self.cost_key(bucket, k, tw)))
       state = box[0]
       if bucket == slots:  # (`out` held the state the dry runs took)
         out = state
