@@ -479,16 +479,16 @@ def test_a_cached_cost_is_checked_once_against_the_runs_own_steps(tmp_path):
   assert not table.check_cached(kept, 10, 10 * 0.014 + 0.001, 1.5, 20)
   assert not table.check_cached(kept, 10, 10 * 0.014 + 0.001, 1.5, 20)
   assert not table.check_cached(kept, 100, 100.0, 1.5, 20)
-  assert table.has(kept) and table.remeasured == {}
+  assert table.has(kept) and table.corrected == {}
   # 20 steps at 30 ms (their fixed cost of 2 ms taken off) against a cached 10: replaced
   assert table.check_cached(stale, 20, 20 * 0.030 + 0.002, 1.5, 20)
   assert table.step_cost(stale, never, 2, 1) == pytest.approx(0.030)
   assert CostCache(path).get(stale) == pytest.approx((0.030, 0.002))
   assert CostCache(path).get(kept) == (0.010, 0.001)
-  assert table.remeasured[stale] == pytest.approx(
+  assert table.corrected[stale] == pytest.approx(
       {"bucket": 8, "draft_len": 3, "cached_step_s": 0.010, "observed_step_s": 0.030,
        "observed_steps": 20})
-  assert [r["remeasured"] for r in table.rows() if r["bucket"] == 8] == [False, True]
+  assert [r["corrected"] for r in table.rows() if r["bucket"] == 8] == [False, True]
   # another run that read the same stale figure keeps the first replacement in the file
   other = CostTable(CostCache(str(tmp_path / "other.json")))
   other.cache.put_if_absent(stale, 0.010, 0.002)
@@ -563,12 +563,12 @@ def test_a_cost_cache_a_rollout_contradicts_is_replaced_by_its_steps(target, sta
     for _ in range(2):  # (a key's first segment in a process is not weighed)
       out = call(tuning, dataclasses.replace(engine, recheck_cached_costs=check))
       assert_same_rollout(out, static_ar)
-    remeasured = tuning.costs.remeasured
-    assert bool(remeasured) == want
+    corrected = tuning.costs.corrected
+    assert bool(corrected) == want
     with open(path) as f:
       stored = json.load(f)["costs"]
     by_key = {tuple(k.rsplit("/", 2)[1:]): v for k, v in stored.items()}
-    for key, row in remeasured.items():
+    for key, row in corrected.items():
       assert row["observed_steps"] >= 4
       assert row["observed_step_s"] < row["cached_step_s"] / 1.5
       assert by_key[(str(key[-2]), str(key[-1]))][0] == row["observed_step_s"]

@@ -216,7 +216,7 @@ class CostTable:
     self._unchecked: dict[tuple, list] = {}
     # keys whose cached cost this run's segments contradicted and replaced:
     # key -> {"bucket", "draft_len", "cached_step_s", "observed_step_s", "observed_steps"}
-    self.remeasured: dict[tuple, dict] = {}
+    self.corrected: dict[tuple, dict] = {}
 
   def program_id(self, program: tuple) -> str:
     got = self._program_ids.get(program)
@@ -242,8 +242,8 @@ class CostTable:
     (dispatch, loop entry, the host round trip), which would otherwise weigh on cheap steps more
     than on dear ones. The fastest of `repeats` timings of each is kept, since load on the
     machine only ever adds time. With a `cache`, a key it holds is not measured, and a measured
-    one is stored there (the value another run stored first wins); a cached cost that
-    `check_cached` rejected is measured here again and replaces it in the cache."""
+    one is stored there (the value another run stored first wins; `check_cached` may later
+    replace a cached one by the run's own figure)."""
     if key not in self._step and self.cache is not None:
       got = _agreed(self.cache.get(key) if _process_index() == 0 else None)
       if got is not None:
@@ -303,8 +303,8 @@ class CostTable:
     if self.cache is not None and _process_index() == 0:
       new = self.cache.replace(key, seen[3], new)
     self._set(key, *_agreed(new))
-    self.remeasured[key] = {"bucket": key[-2], "draft_len": key[-1], "cached_step_s": cached,
-                            "observed_step_s": observed, "observed_steps": seen[1]}
+    self.corrected[key] = {"bucket": key[-2], "draft_len": key[-1], "cached_step_s": cached,
+                           "observed_step_s": observed, "observed_steps": seen[1]}
     _log.warning("engine cost cache %s: bucket %d, K %d: the cached %.2f ms per step is "
                  "contradicted by this run's %d steps at %.2f ms, which replace it",
                  self.cache.path if self.cache is not None else "(none)", key[-2], key[-1],
@@ -373,16 +373,16 @@ class CostTable:
 
   def rows(self) -> list[dict]:
     """[{"bucket", "draft_len", "step_s", "segment_s", "calibrated_step_s", "steps_measured",
-    "from_line", "remeasured"}]: seconds per step the engine now uses (the startup calibration
+    "from_line", "corrected"}]: seconds per step the engine now uses (the startup calibration
     refined by the segments of later rollouts), the fixed seconds per segment, the startup
     figure, how many in-rollout steps refined it, whether the startup figure came from `line`
     rather than a timing, and whether it replaced a cached figure this run contradicted
-    (`remeasured`). (A queue's refill costs, kept under K = -1 with the prefill in place of the
+    (`corrected`). (A queue's refill costs, kept under K = -1 with the prefill in place of the
     step, are left out.)"""
     return [{"bucket": k[-2], "draft_len": k[-1], "step_s": v, "segment_s": self._segment.get(k),
              "calibrated_step_s": self._calibrated[k][0],
              "steps_measured": self._calibrated[k][1], "from_line": k in self._from_line,
-             "remeasured": k in self.remeasured}
+             "corrected": k in self.corrected}
             for k, v in self._step.items() if k[-1] >= 0]
 
   def to_json(self) -> list[dict]:
