@@ -1,5 +1,6 @@
-"""Tests run on CPU with 8 fake devices (set before jax is imported anywhere). The repository root
-is importable so that tests can use the scaffolding in `experiments/` (`from experiments import toy`)."""
+"""Tests run on CPU with 8 fake devices and XLA flags that compile faster (set before jax is
+imported anywhere). The repository root is importable so that tests can use the scaffolding in
+`experiments/` (`from experiments import toy`)."""
 
 import os
 import shutil
@@ -7,9 +8,16 @@ import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The tests' programs are tiny and compiling them is most of the suite's time: LLVM at -O1
+# compiles them in about three quarters of the time and runs them as fast, with the same results
+# (docs/BENCHMARKS.md, "Test suite wall time"). A flag the caller set wins.
+_TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8",
+                   "xla_backend_optimization_level": "1"}
 _flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in _flags:
-  os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
+for _name, _value in _TEST_XLA_FLAGS.items():
+  if _name not in _flags:
+    _flags = f"{_flags} --{_name}={_value}"
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
