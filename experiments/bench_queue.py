@@ -134,11 +134,10 @@ def main(argv=None) -> dict:
   log(f"target {cfg_m.num_params() / 1e6:.1f}M parameters; queue {a.prompts} prompts x "
       f"G={a.group} = {rows} rows, {a.slots} slots, max_new {a.max_new}; EOS set of {len(eos)} "
       f"(length quantiles / max_new on a choice sample: {quantiles})")
-  drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, a.draft_layers),
-                                                  draft_len=a.draft_len)
+  draft = truncated_copy(target, a.draft_layers)
+  drafter, dparams = DraftModelDrafter.from_model(draft, draft_len=a.draft_len)
   # the no-acceptance control's drafter: the same shape, random weights (near-uniform drafts)
-  noise = Decoder(dataclasses.replace(truncated_copy(target, a.draft_layers).cfg, init_std=0.02),
-                  rngs=nnx.Rngs(a.seed + 99))
+  noise = Decoder(dataclasses.replace(draft.cfg, init_std=0.02), rngs=nnx.Rngs(a.seed + 99))
   noise_drafter, noise_params = DraftModelDrafter.from_model(noise, draft_len=a.draft_len)
   tunings = collections.defaultdict(EngineTuning)
   # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
