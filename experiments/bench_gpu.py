@@ -60,7 +60,8 @@ What each figure is:
   `continuous` (one call, `EngineConfig(max_rows=--queue-slots)`), `continuous_spec` (the same
   with the draft model, adaptive K), and at one KV budget (what half the slots' dense caches
   take) `dense` (that many slots) against `paged` (`kv_cache_gb` = the budget, up to
-  --queue-slots slots): tokens/s (the fastest of --queue-repeats calls after the first), rows
+  --queue-slots slots) and `paged_spec` (paged with the draft model, whose cache takes pages of
+  the same budget; adaptive K); --queue-arms picks some: tokens/s (the fastest of --queue-repeats calls after the first), rows
   held (most live rows a segment started with, and the step-weighted mean), peak memory. Every
   arm compiles its buckets (at most --queue-buckets) before its first segment.
 """
@@ -101,6 +102,9 @@ SHAPES = {  # Qwen3 config.json values; random weights
                   mlp_hidden=128, vocab_size=512, tie_embeddings=True),
 }
 NOMINAL_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "B200": 8000.0, "GB200": 8000.0}
+
+
+QUEUE_ARMS = ("waves", "continuous", "continuous_spec", "dense", "paged", "paged_spec")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -145,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   q.add_argument("--queue-buckets", type=int, default=3,
                  help="EngineConfig.max_buckets of every queue arm (compiled ahead)")
   q.add_argument("--queue-repeats", type=int, default=2)
+  q.add_argument("--queue-arms", nargs="+", choices=QUEUE_ARMS, default=list(QUEUE_ARMS),
+                 help="arms of the queue stage, in this order")
   p.add_argument("--paged-batch", type=int, default=64)
   p.add_argument("--paged-context", type=int, default=2048,
                  help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
@@ -490,7 +496,11 @@ def queue_stage(a, results: dict) -> None:
       "paged": lambda i: [generate(model, prompts, lengths, jax.random.key(i), scfg,
                                    engine=engine(max_rows=slots, kv_cache_gb=budget_gb),
                                    tuning=tunings["paged"])],
+      "paged_spec": lambda i: [speculative_generate(
+          model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
+          engine=engine(max_rows=slots, kv_cache_gb=budget_gb), tuning=tunings["paged_spec"])],
   }
+  arms = {name: arms[name] for name in a.queue_arms}
   stage = {"model": a.queue_model, "rows": rows, "slots": slots, "group": a.queue_group,
            "prompt_len": a.queue_prompt_len, "max_new_tokens": a.queue_new_tokens,
            "eos_ids": len(eos), "kv_budget_gb": budget_gb, "kv_budget_dense_rows": budget_rows,
@@ -524,14 +534,14 @@ def queue_stage(a, results: dict) -> None:
            "refill_at": {str(f): sum(1 for s in segs if s.refill_at == f)
                          for f in sorted({s.refill_at for s in segs if s.refill_at})},
            "peak_memory_gb": peak_memory_gb()}
-    if name == "continuous_spec":
+    if name in ("continuous_spec", "paged_spec"):
       m = AcceptanceMetrics.from_counts(outs[0].stats)
       rec["acceptance_length"] = m.acceptance_length if m.num_drafts else None
       rec["steps_by_k"] = {}
       for sg in segs:
         rec["steps_by_k"][str(sg.draft_len)] = rec["steps_by_k"].get(str(sg.draft_len), 0) + \
             sg.iterations
-    if name == "paged":
+    if name in ("paged", "paged_spec"):
       rec["pages_in_use_max"] = max(s.pages_in_use for s in segs)
       rec["swapped_out"] = sum(s.swapped_out for s in segs)
     stage["arms"][name] = rec

@@ -197,7 +197,8 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
     assert arms[tree]["acceptance_length"] == pytest.approx(5.0)
     assert arms[tree]["step_ms"] > 0
   queue = data["queue"]  # 6 prompts x 2 samples on 4 slots; half the slots' KV as the budget
-  assert set(queue["arms"]) == {"waves", "continuous", "continuous_spec", "dense", "paged"}
+  assert set(queue["arms"]) == {"waves", "continuous", "continuous_spec", "dense", "paged",
+                                "paged_spec"}
   assert queue["rows"] == 12 and queue["kv_budget_dense_rows"] == 2
   for name, rec in queue["arms"].items():
     assert rec["tokens_per_s"] > 0 and rec["tokens"] > 0 and rec["rows_max"] <= 4, name
@@ -207,4 +208,6 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   assert queue["arms"]["dense"]["rows_max"] <= 2  # its slots are the budget's rows
   # (whether the adaptive engine drafts at all follows its measured step costs: machine load)
   assert "acceptance_length" in queue["arms"]["continuous_spec"]
+  assert "acceptance_length" in queue["arms"]["paged_spec"]
+  assert queue["arms"]["paged_spec"]["pages_in_use_max"] > 0
   assert "skipped" not in data
