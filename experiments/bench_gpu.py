@@ -16,9 +16,10 @@ What each figure is:
 - paged: the Pallas paged-attention kernel (`paged_attention(implementation="pallas")`, compiled
   for the device; interpret mode where there is no GPU) against the plain-formula reference on
   pages with holes, out-of-order pages, a padding row and a stacked pool (max abs difference,
-  float32 and bfloat16, one token and a verify block); then milliseconds per call of the kernel,
-  the reference and the chunked pure-JAX path (chunks forced: off the CPU its default is the
-  reference) at Qwen3-8B attention heads over --paged-batch rows
+  float32 and bfloat16, one token and a verify block; and at every launch setting, --pages-per-block
+  x --num-warps, on one of them); then milliseconds per call of the kernel (at its default launch
+  setting and at every other), the reference and the chunked pure-JAX path (chunks forced: off
+  the CPU its default is the reference) at Qwen3-8B attention heads over --paged-batch rows
   of ragged lengths up to --paged-context (GB/s: K and V bytes of the visible positions / time);
   then greedy `generate` on a small float32 model through the paged engine (the kernel inside
   every step) against the dense engine: rows whose tokens are identical.
@@ -151,6 +152,11 @@ def parse_args(argv=None) -> argparse.Namespace:
   q.add_argument("--queue-repeats", type=int, default=2)
   q.add_argument("--queue-arms", nargs="+", choices=QUEUE_ARMS, default=list(QUEUE_ARMS),
                  help="arms of the queue stage, in this order")
+  p.add_argument("--pages-per-block", type=int, nargs="+", default=[1, 2, 4, 8],
+                 help="paged stage: the kernel's pages per loop step to check and time")
+  p.add_argument("--num-warps", type=int, nargs="+", default=[0, 8],
+                 help="paged stage: the kernel's warps per program to check and time (0: "
+                 "Triton's default)")
   p.add_argument("--paged-batch", type=int, default=64)
   p.add_argument("--paged-context", type=int, default=2048,
                  help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
@@ -170,6 +176,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    context_model="smoke", context_len=24, context_batches=[2],
                    queue_model="smoke", queue_prompts=6, queue_group=2, queue_slots=4,
                    queue_prompt_len=8, queue_new_tokens=64, queue_repeats=1, queue_buckets=1,
+                   pages_per_block=[1, 4], num_warps=[0],
                    stages=["paged", "decode", "context", "spec", "reads", "queue"])
   a = p.parse_args(argv)
   for name in ("prompt_len", "new_tokens", "draft_len", "draft_layers", "tree_width",
@@ -190,6 +197,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"({a.queue_group}) holding at least two groups")
   if any(b < 1 for b in a.batches + a.spec_batches + a.reads_batches + a.context_batches):
     p.error("batches must be >= 1")
+  if any(n < 1 or n & (n - 1) for n in a.pages_per_block):
+    p.error(f"--pages-per-block must be powers of two >= 1, got {a.pages_per_block}")
+  if any(n < 0 for n in a.num_warps):
+    p.error(f"--num-warps must be >= 0 (0: Triton's default), got {a.num_warps}")
   if any(d < 0 for d in a.tree_depths):
     p.error(f"--tree-depths must be >= 0 (0: every depth), got {a.tree_depths}")
   return a
@@ -620,6 +631,29 @@ def paged_stage(a, results: dict) -> None:
              f"max |kernel - reference| {rec['max_abs_err']:.2e} (|ref| <= "
              f"{rec['max_abs_ref']:.2f}), padding row zero {rec['padding_row_zero']}"))
   res["checks"] = checks
+  # each launch setting of the kernel (pages per loop step, warps) on one awkward problem too
+  launches = [(per, warps) for per in a.pages_per_block for warps in a.num_warps]
+  lengths = rng.integers(a.draft_len + 1, 6 * PAGE_SIZE, size=4)
+  q, pk, pv, table, lengths, start = paged_problem(rng, 4, a.draft_len + 1, h, hkv, dh, lengths, 3)
+  table[0, 0], table[2] = paged.NO_PAGE, paged.NO_PAGE
+  with jax.default_device(cpu):
+    want = np.asarray(paged.paged_attention_reference(q, pk, pv, table, lengths, start,
+                                                      layer=jnp.int32(1)))
+  res["launch_checks"] = []
+  for per, warps in launches:
+    rec = {"pages_per_block": per, "num_warps": warps or None}
+    try:
+      got = jax.jit(functools.partial(kernel, layer=jnp.int32(1), pages_per_block=per,
+                                      num_warps=warps or None))(
+          *(jnp.asarray(x, jnp.bfloat16) for x in (q, pk, pv)), jnp.asarray(table),
+          jnp.asarray(lengths), jnp.asarray(start))
+      rec["max_abs_err"] = float(np.abs(np.asarray(got.astype(jnp.float32)) - want).max())
+    except Exception as e:
+      rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
+    res["launch_checks"].append(rec)
+    log(f"paged kernel check, {per} pages per step, warps {warps or 'default'}: " +
+        (rec["error"][:300] if "error" in rec else f"max |kernel - reference| "
+         f"{rec['max_abs_err']:.2e} (bfloat16)"))
   write(a, results)
 
   # 2. milliseconds per call at decode and verify shapes over ragged rows
@@ -636,10 +670,16 @@ def paged_stage(a, results: dict) -> None:
     kv_bytes = float(lengths.sum()) * hkv * dh * 2 * itemsize
     row = {"tokens": t, "batch": a.paged_batch, "max_len": int(lengths.max()),
            "mean_len": float(lengths.mean()), "kv_gbytes": kv_bytes / 1e9, "dtype": a.dtype}
-    for impl in impls:
-      fn = jax.jit(kernel if impl == "pallas" else paged.paged_attention_reference
-                   if impl == "reference" else functools.partial(paged.paged_attention_chunked,
-                                                                 min_bytes=0))
+    variants = [(impl, None) for impl in impls] + [
+        ("pallas", launch) for launch in launches if launch != (paged.PAGES_PER_BLOCK, 0)]
+    for impl, launch in variants:
+      fn = jax.jit(kernel if impl == "pallas" and launch is None else
+                   functools.partial(kernel, pages_per_block=launch[0],
+                                     num_warps=launch[1] or None) if impl == "pallas" else
+                   paged.paged_attention_reference if impl == "reference" else
+                   functools.partial(paged.paged_attention_chunked, min_bytes=0))
+      if launch is not None:  # a launch setting other than the default's
+        impl = f"pallas_p{launch[0]}_w{launch[1] or 'default'}"
       try:
         jax.block_until_ready(fn(*args))
         times = []
@@ -655,6 +695,9 @@ def paged_stage(a, results: dict) -> None:
       except Exception as e:
         row[impl] = {"error": f"{type(e).__name__}: {str(e)[:800]}"}
         log(f"paged attention T={t} {impl}: failed ({row[impl]['error'][:300]})")
+    kernels = {k: v["ms"] for k, v in row.items() if k.startswith("pallas") and "ms" in v}
+    if kernels:
+      row["fastest_pallas"] = min(kernels, key=kernels.get)
     timings.append(row)
     res["timings"] = timings
     write(a, results)

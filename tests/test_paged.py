@@ -152,8 +152,11 @@ def test_stacked_pool_writes_and_reads_one_layer():
   chex.assert_equal(kv.lengths.tolist(), [pre] * b)
 
 
-@pytest.mark.parametrize("t,heads,layer", [(1, 4, None), (5, 4, 1), (3, 2, None)])
-def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer):
+@pytest.mark.parametrize("t,heads,layer,per", [(1, 4, None, 1), (5, 4, 1, 1), (3, 2, None, 1),
+                                               (1, 4, None, 4), (5, 4, 1, 2)])
+def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer, per):
+  """`per` pages per loop step (a table of 6 pages: with 4, the last step's block is padded with
+  no-page entries)."""
   q, _, _, pool_k, pool_v, table, lengths, start = _problem(100 + t, t, heads, batch=3)
   table[1, :2] = table[1, 2:4]  # a row whose pages are out of order in the pool
   table[0, 0] = NO_PAGE  # a hole: its positions are empty (queries start with no visible key)
@@ -168,7 +171,7 @@ def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer):
   kw = {"layer": None if layer is None else jnp.int32(layer)}
   want = paged.paged_attention_reference(*args, **kw)
   got = jax.jit(lambda *a: paged.paged_attention(*a, implementation="pallas", interpret=True,
-                                                 **kw))(*args)
+                                                 pages_per_block=per, **kw))(*args)
   chex.assert_shape(got, q.shape)
   np.testing.assert_allclose(got, want, atol=2e-6)
   np.testing.assert_array_equal(got[2], 0.0)
@@ -248,6 +251,10 @@ def test_paged_attention_dispatch():
     paged.paged_attention(*args, implementation="pallas")
   with pytest.raises(ValueError, match="with `layer`"):
     paged.paged_attention(*args, layer=0)
+  with pytest.raises(ValueError, match="pages_per_block=3"):
+    paged.paged_attention(*args, implementation="pallas", interpret=True, pages_per_block=3)
+  with pytest.raises(ValueError, match="not of implementation='chunked'"):
+    paged.paged_attention(*args, implementation="chunked", num_warps=4)
 
 
 def test_shared_prefix_pages_and_copies_serve_every_sample():

@@ -381,14 +381,23 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh).astype(q.dtype)
 
 
+# the kernel's launch settings (`paged_attention_pallas`): pages of K and V one loop step reads,
+# and Triton's warps per program (None: its default)
+PAGES_PER_BLOCK = 1
+NUM_WARPS = None
+
+
 def _kernel(lengths_ref, start_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *,
-            group: int, num_tokens: int, scale: float):
+            group: int, num_tokens: int, scale: float, pages_per_block: int):
   """One (row, kv head) program: the row's T * G queries of this kv head against its pages,
-  one page per loop step, with an online softmax (running max m, denominator l, numerator o)."""
+  `pages_per_block` pages per loop step, with an online softmax (running max m, denominator l,
+  numerator o)."""
   b, h = pl.program_id(0), pl.program_id(1)
   rows, dh = q_ref.shape
   _, _, num_pages, page_size, _ = k_ref.shape
-  width = table_ref.shape[1]
+  width = table_ref.shape[1]  # a multiple of pages_per_block (the caller pads the table)
+  per = pages_per_block
+  block = per * page_size
   length, start, layer = lengths_ref[b], start_ref[b], layer_ref[0]
   q = q_ref[...]
   # query row r is token r // G (rows past T * G are padding, dropped by the caller)
@@ -400,14 +409,22 @@ def _kernel(lengths_ref, start_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o
 
   def body(i, carry):
     o, m, l = carry
-    page = table_ref[b, i]
-    valid = (page >= 0) & (page < num_pages)
-    page = jnp.where(valid, page, 0)  # never read outside the pool
-    k = k_ref[layer, h, page]  # [S, Dh]
-    v = v_ref[layer, h, page]
+    if per == 1:
+      page = table_ref[b, i]
+      valid = (page >= 0) & (page < num_pages)
+      page = jnp.where(valid, page, 0)  # never read outside the pool
+      k = k_ref[layer, h, page]  # [S, Dh]
+      v = v_ref[layer, h, page]
+    else:  # a gather of `per` pages: one [per * S, Dh] tile
+      ids = table_ref[b, pl.ds(i * per, per)]
+      ok = (ids >= 0) & (ids < num_pages)
+      ids = jnp.where(ok, ids, 0)
+      k = k_ref[layer, h, ids].reshape(block, dh)
+      v = v_ref[layer, h, ids].reshape(block, dh)
+      valid = jnp.broadcast_to(ok[:, None], (per, page_size)).reshape(1, block)
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale  # [rows, S]
-    kpos = i * page_size + jax.lax.broadcasted_iota(jnp.int32, (1, page_size), 1)
+                            preferred_element_type=jnp.float32) * scale  # [rows, block]
+    kpos = i * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
     mask = (kpos <= qpos) & (kpos < length) & valid
     s = jnp.where(mask, s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
@@ -421,29 +438,35 @@ def _kernel(lengths_ref, start_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o
 
   init = (jnp.zeros((rows, dh), jnp.float32), jnp.full((rows, 1), NEG_INF, jnp.float32),
           jnp.zeros((rows, 1), jnp.float32))
-  o, _, l = jax.lax.fori_loop(0, pages, body, init)
+  o, _, l = jax.lax.fori_loop(0, (pages + per - 1) // per, body, init)
   o_ref[...] = (o / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
 def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
-                           layer=None, max_len: int | None = None,
-                           interpret: bool = False) -> jax.Array:
+                           layer=None, max_len: int | None = None, interpret: bool = False,
+                           pages_per_block: int | None = None,
+                           num_warps: int | None = None) -> jax.Array:
   """`paged_attention_reference` as a Pallas kernel: grid (row, kv head); each program loops
   over only the pages its row has visible keys in (a dynamic trip count from lengths and start),
-  loading one [page_size, Dh] tile of K and V per page. A stacked pool is indexed with `layer`
-  inside the kernel, so no layer slice is copied out of it.
+  loading `pages_per_block` (default `PAGES_PER_BLOCK`) [page_size, Dh] tiles of K and V per
+  loop step. A stacked pool is indexed with `layer` inside the kernel, so no layer slice is
+  copied out of it. `num_warps` (default `NUM_WARPS`) is Triton's per program.
 
   Written for the Triton lowering (GPU): the queries of a (row, kv head) are padded to a power of
   two >= 16 rows; page_size and Dh must then be powers of two >= 16 (tl.dot's minimum). Tested
   in interpret mode on CPU against the reference; `experiments/bench_gpu.py` checks it compiled
-  on a GPU (against the reference, and inside the paged engine) and times it. Not tuned: one
-  page per step, no split over pages for long rows, num_warps left to the default."""
+  on a GPU (against the reference, and inside the paged engine) and times it at several
+  `pages_per_block` and `num_warps`. No split over pages for long rows."""
   pk, pv, layer = _stacked(pool_k, pool_v, layer)
   _, hkv, _, page_size, dh = pk.shape
   b, t, h, _ = q.shape
+  per = PAGES_PER_BLOCK if pages_per_block is None else pages_per_block
+  warps = NUM_WARPS if num_warps is None else num_warps
   if h % hkv:
     raise ValueError(f"q: {h} heads is not a multiple of the pool's {hkv} kv heads")
+  if not isinstance(per, int) or per < 1 or per & (per - 1):
+    raise ValueError(f"pages_per_block={per!r}: expected a power of two >= 1")
   if not interpret:
     for name, n in (("page_size", page_size), ("head_dim", dh)):
       if n < 16 or n & (n - 1):
@@ -451,19 +474,26 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   g = h // hkv
   rows = max(16, pl.next_power_of_2(t * g))
   table = jnp.asarray(page_table, jnp.int32)[:, :_pages_read(page_table, page_size, max_len)]
+  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % per)), constant_values=NO_PAGE)
   # [B, T, Hkv, G, Dh] -> [B, Hkv, T * G, Dh]: a kv head's queries as one tile, token-major
   qk = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
   qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
   whole = pl.BlockSpec()  # the whole array: scalars and pages are indexed inside the kernel
   tile = pl.BlockSpec((None, None, rows, dh), lambda i, j: (i, j, 0, 0))
+  params = {}
+  if warps is not None and not interpret:
+    from jax.experimental.pallas import triton as pl_triton  # (GPU launch settings)
+    params["compiler_params"] = pl_triton.CompilerParams(num_warps=int(warps))
   out = pl.pallas_call(
-      functools.partial(_kernel, group=g, num_tokens=t, scale=1.0 / math.sqrt(dh)),
+      functools.partial(_kernel, group=g, num_tokens=t, scale=1.0 / math.sqrt(dh),
+                        pages_per_block=per),
       out_shape=jax.ShapeDtypeStruct((b, hkv, rows, dh), q.dtype),
       grid=(b, hkv),
       in_specs=[whole, whole, whole, whole, tile, whole, whole],
       out_specs=tile,
       interpret=interpret,
       name="paged_attention",
+      **params,
   )(jnp.asarray(lengths, jnp.int32), jnp.asarray(start, jnp.int32), table,
     jnp.reshape(layer, (1,)), qk, pk, pv)
   out = out[:, :, :t * g].reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4)
@@ -473,12 +503,16 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
 def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_table: jax.Array,
                     lengths: jax.Array, start: jax.Array, *, layer=None,
                     max_len: int | None = None, implementation: str | None = None,
-                    interpret: bool = False) -> jax.Array:
+                    interpret: bool = False, **launch) -> jax.Array:
   """Paged attention (semantics of `paged_attention_reference`). `implementation`: "pallas"
-  (the kernel; `interpret=True` runs it on any backend), "reference", "chunked"
-  (`paged_attention_chunked`), or None: the kernel on GPU, chunked elsewhere."""
+  (the kernel; `interpret=True` runs it on any backend; `launch`: its `pages_per_block` and
+  `num_warps`), "reference", "chunked" (`paged_attention_chunked`), or None: the kernel on GPU,
+  chunked elsewhere."""
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "chunked"
+  if launch and implementation != "pallas":
+    raise ValueError(f"{sorted(launch)}: launch settings of the Pallas kernel, not of "
+                     f"implementation={implementation!r}")
   if implementation == "reference":
     return paged_attention_reference(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
                                      max_len=max_len)
@@ -487,6 +521,6 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_tab
                                    max_len=max_len)
   if implementation == "pallas":
     return paged_attention_pallas(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
-                                  max_len=max_len, interpret=interpret)
+                                  max_len=max_len, interpret=interpret, **launch)
   raise ValueError(f"implementation={implementation!r}: expected None, 'reference', 'chunked' or "
                    "'pallas'")
