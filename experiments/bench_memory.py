@@ -4,6 +4,14 @@ logits), V = 151936, hidden 256, one sequence. Peak = what XLA's compiled progra
 + outputs - donated (aliased) buffers + temporaries (`compiled.memory_analysis()`); nothing runs.
 
   python experiments/bench_memory.py --seq 1024 4096 8192
+
+With --prefill: the prefill program instead (a cached forward of the prompts into an empty KV
+cache of prompt + 128 positions, no logits) at the Qwen3-1.7B attention and MLP shape (hidden
+2048, 16/8 heads of 128, MLP 6144; --prefill-layers layers, --prefill-batch rows, float32), the
+cache read whole (as off the CPU), attending every query at once ("one block") against
+`QUERY_BLOCK` queries at a time ("query blocks", the default).
+
+  python experiments/bench_memory.py --prefill --seq 512 2048
 """
 
 from __future__ import annotations
@@ -79,6 +87,35 @@ def measure(variant: str, seq: int, vocab: int, draft_vocab: int, ttt_steps: int
   return rows
 
 
+def measure_prefill(seq: int, layers: int, batch: int) -> list[dict]:
+  from specjax.models import cache as cache_lib
+  cfg = ModelConfig(vocab_size=151936, hidden_size=2048, num_layers=layers, num_heads=16,
+                    num_kv_heads=8, head_dim=128, mlp_hidden=6144)
+  graphdef, params = nnx.split(Decoder(cfg, rngs=nnx.Rngs(0)))
+  tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
+
+  def prefill(params, tokens):
+    model = nnx.merge(graphdef, params)
+    return model(tokens, cache=model.init_cache(batch, seq + 128), compute_logits=False).cache
+
+  rows = []
+  saved = cache_lib.CHUNKED_READ_BACKENDS, cache_lib.QUERY_BLOCK
+  try:
+    cache_lib.CHUNKED_READ_BACKENDS = ()  # whole reads, as on a GPU
+    for variant, block in (("one block", 1 << 30), ("query blocks", saved[1])):
+      cache_lib.QUERY_BLOCK = block
+      t0 = time.perf_counter()
+      # a new function each time: jit keeps one trace per function, and the settings are read
+      # at trace time
+      compiled = jax.jit(lambda *a: prefill(*a)).lower(params, tokens).compile()
+      rows.append({"variant": variant, "phase": "prefill", "seq_len": seq, "batch": batch,
+                   "layers": layers, "query_block": min(block, seq),
+                   "compile_s": time.perf_counter() - t0, **peak_bytes(compiled)})
+  finally:
+    cache_lib.CHUNKED_READ_BACKENDS, cache_lib.QUERY_BLOCK = saved
+  return rows
+
+
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -87,22 +124,29 @@ def main() -> None:
   p.add_argument("--draft-vocab", type=int, default=32000)
   p.add_argument("--ttt-steps", type=int, default=3)
   p.add_argument("--json", default="runs/bench_memory.json")
+  p.add_argument("--prefill", action="store_true", help="measure the prefill program instead")
+  p.add_argument("--prefill-layers", type=int, default=2)
+  p.add_argument("--prefill-batch", type=int, default=64)
   args = p.parse_args()
   rows = []
-  print(f"{'variant':<8} {'phase':<8} {'seq':>6} {'peak GB':>8} {'temp GB':>8} {'args GB':>8} "
+  print(f"{'variant':<12} {'phase':<8} {'seq':>6} {'peak GB':>8} {'temp GB':>8} {'args GB':>8} "
         f"{'compile s':>9}")
-  for variant in args.variants:
+  for variant in ["prefill"] if args.prefill else args.variants:
     for seq in args.seq:
-      for r in measure(variant, seq, args.vocab, args.draft_vocab, args.ttt_steps):
+      for r in (measure_prefill(seq, args.prefill_layers, args.prefill_batch) if args.prefill
+                else measure(variant, seq, args.vocab, args.draft_vocab, args.ttt_steps)):
         rows.append(r)
-        print(f"{r['variant']:<8} {r['phase']:<8} {seq:>6} {r['peak_bytes'] / 1e9:>8.3f} "
+        print(f"{r['variant']:<12} {r['phase']:<8} {seq:>6} {r['peak_bytes'] / 1e9:>8.3f} "
               f"{r['temp_bytes'] / 1e9:>8.3f} {r['argument_bytes'] / 1e9:>8.3f} "
               f"{r['compile_s']:>9.1f}", flush=True)
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
+  meta = ({"shape": "qwen3-1.7b attention and MLP", "layers": args.prefill_layers,
+           "batch": args.prefill_batch} if args.prefill else
+          {"vocab": args.vocab, "draft_vocab": args.draft_vocab, "hidden": 256, "batch": 1,
+           "variants": VARIANTS})
   with open(args.json, "w") as f:
-    json.dump({"jax": jax.__version__, "backend": jax.default_backend(), "vocab": args.vocab,
-               "draft_vocab": args.draft_vocab, "hidden": 256, "batch": 1,
-               "variants": VARIANTS, "rows": rows}, f, indent=1)
+    json.dump({"jax": jax.__version__, "backend": jax.default_backend(), **meta, "rows": rows},
+              f, indent=1)
 
 
 if __name__ == "__main__":

@@ -216,6 +216,38 @@ def test_cache_attention_read_in_chunks_has_the_whole_reads_gradient():
     np.testing.assert_allclose(g, x, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk,min_bytes", [(37, None), (8, 0)])
+def test_a_prefill_attends_in_query_blocks_with_the_results_and_gradient_of_one_block(
+    chunk, min_bytes):
+  """More queries than `query_block` (a prefill) attend a block at a time, so the scores held at
+  once do not grow with the prompt: 23 queries in blocks of 4 (the last one padded) equal one
+  block of all 23, values and gradients, whole reads and chunked; a row that sees no key
+  returns 0; the scores in the program are [.., 4, S], never [.., 23, S]."""
+  from specjax.models.layers import attend_cache
+  b, s, t, h, hkv, dh = 3, 37, 23, 4, 2, 8
+  ks = jax.random.split(jax.random.key(7), 4)
+  q = jax.random.normal(ks[0], (b, t, h, dh))
+  k = jax.random.normal(ks[1], (b, hkv, dh, s))
+  v = jax.random.normal(ks[2], (b, hkv, s, dh))
+  w = jax.random.normal(ks[3], (b, t, h, dh))
+  qpos = jnp.array([0, 14, 3])[:, None] + jnp.arange(t)[None]
+  mask = (jnp.arange(s)[None, None, :] <= qpos[:, :, None]).at[2].set(False)
+  attn = lambda block: lambda q, k, v: attend_cache(q, k, v, mask, chunk=chunk,
+                                                    min_bytes=min_bytes, query_block=block)
+  one, blocks = attn(t), attn(4)
+  np.testing.assert_allclose(jax.jit(blocks)(q, k, v), one(q, k, v), atol=1e-5, rtol=1e-5)
+  np.testing.assert_array_equal(jax.jit(blocks)(q, k, v)[2], 0.0)
+  loss = lambda f: lambda q, k, v: jnp.sum(w * f(q, k, v))
+  want = jax.grad(loss(one), argnums=(0, 1, 2))(q, k, v)
+  got = jax.jit(jax.grad(loss(blocks), argnums=(0, 1, 2)))(q, k, v)
+  for g, x in zip(got, want):
+    np.testing.assert_allclose(g, x, atol=1e-5, rtol=1e-5)
+  if min_bytes is None:  # whole reads: scores [B, Hkv, G, queries, S]
+    text = lambda f: str(jax.make_jaxpr(f)(q, k, v))
+    assert "f32[3,2,2,23,37]" in text(one)
+    assert "f32[3,2,2,23,37]" not in text(blocks) and "f32[3,2,2,4,37]" in text(blocks)
+
+
 def test_cache_attention_reads_in_chunks_only_on_the_chunked_read_backends(monkeypatch):
   """By default `attend_cache` and the pure-JAX paged path loop over chunks on CPU (for buffers
   past the byte floor) and read whole elsewhere: on a GPU a loop of dynamic length hands its

@@ -32,6 +32,9 @@ from flax import struct
 # the live part of the cache"); smaller chunks cost more loop steps, and for small buffers (one
 # row of that target) the loop's fixed cost outweighs what it saves.
 CACHE_CHUNK = 128
+# a cached forward of more tokens than this (a prefill) attends this many queries at a time, so
+# its scores take [B, H, QUERY_BLOCK, S] whatever the prompt's length (`layers.attend_cache`)
+QUERY_BLOCK = 256
 CACHE_CHUNK_MIN_BYTES = 256 * 1024
 # Backends whose cached attention reads in chunks; elsewhere it reads whole. The loop's trip
 # count is dynamic, and on a GPU such a loop hands its condition back to the host at every

@@ -90,7 +90,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Arr
 
 
 def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
-                 chunk: int | None = None, min_bytes: int | None = None) -> jax.Array:
+                 chunk: int | None = None, min_bytes: int | None = None,
+                 query_block: int | None = None) -> jax.Array:
   """`attend` over KV-cache buffers (`KVCache` layout): q [B,T,H,Dh], k [B,Hkv,Dh,S],
   v [B,Hkv,S,Dh], mask bool[B,T,S] -> [B,T,H,Dh]. A query that sees no key returns 0.
 
@@ -101,7 +102,21 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   `chunk_min_bytes()` in `specjax.models.cache`, read at trace time: off the CPU, every buffer
   is read whole). Either way differentiable: a loop of dynamic length has no reverse mode, so
   the chunked read's gradient is the whole read's (EAGLE-3's training-time test attends over a
-  cache)."""
+  cache).
+
+  More than `query_block` queries (default `QUERY_BLOCK`: a prefill) attend that many at a time,
+  so the scores held at once do not grow with the prompt."""
+  block = cache_lib.QUERY_BLOCK if query_block is None else int(query_block)
+  b, t, h, dh = q.shape
+  if t > block:
+    n = -(-t // block)
+    pad = n * block - t  # padded queries see no key and return 0; dropped below
+    qs = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, block, h, dh)
+    ms = jnp.pad(mask, ((0, 0), (0, pad), (0, 0))).reshape(b, n, block, mask.shape[-1])
+    out = jax.lax.map(lambda qm: attend_cache(qm[0], k, v, qm[1], chunk=chunk,
+                                              min_bytes=min_bytes, query_block=block),
+                      (qs.swapaxes(0, 1), ms.swapaxes(0, 1)))
+    return out.swapaxes(0, 1).reshape(b, n * block, h, dh)[:, :t]
   chunk = cache_lib.CACHE_CHUNK if chunk is None else int(chunk)
   min_bytes = cache_lib.chunk_min_bytes() if min_bytes is None else int(min_bytes)
   s = k.shape[-1]
