@@ -400,8 +400,9 @@ def test_sharded_generation_equals_one_device_with_rows_sharded(target, static_a
   assert min(s.bucket for s in out.segments) == dp  # buckets stay divisible by the dp size
   # the state the segments step is split over the data-parallel axes, caches included
   graphdef, state_params = nnx.split(sharded)
-  state = eng._init_jit(graphdef, state_params, None, None, PROMPTS, PROMPT_LENGTHS,
-                        jax.random.key(0), cfg=GREEDY, cache_size=32, max_draft_len=1, mesh=mesh)
+  state = eng._init_jit(eng._HashedOnce(graphdef), state_params, None, None, PROMPTS,
+                        PROMPT_LENGTHS, jax.random.key(0), cfg=GREEDY, cache_size=32,
+                        max_draft_len=1, mesh=mesh)
   for x in (state.tokens, state.cache.k[0], state.cache.lengths, state.seq.tokens):
     spec = x.sharding.spec
     assert spec and spec[0] is not None, f"rows replicated: {spec}"
@@ -586,6 +587,7 @@ def test_a_dry_segment_steps_and_gives_the_state_back_as_it_was(target):
   from specjax.sampling.segment import SegmentSpec
 
   graphdef, params = nnx.split(target)
+  graphdef = eng._HashedOnce(graphdef)  # as the engine passes it
   drafter, dparams = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(1)), draft_len=2)
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   init = lambda: eng._init_jit(graphdef, params, drafter, dparams, PROMPTS, PROMPT_LENGTHS,

@@ -52,12 +52,39 @@ def params_mesh(params):
 
 # -- the engine -----------------------------------------------------------------------------------
 
-_init_jit = jax.jit(init_state, static_argnames=("graphdef", "drafter", "cfg", "cache_size",
-                                                 "max_draft_len", "mesh", "group",
-                                                 "target_cache_size"))
+class _HashedOnce:
+  """A static jit argument whose hash is computed once. jit hashes its static arguments at every
+  call, and an nnx GraphDef's hash walks the whole graph (about 1 ms at 28 layers), which every
+  segment and prefill would pay; equal when the values are (at once when they are the same)."""
+
+  __slots__ = ("value", "hash")
+
+  def __init__(self, value):
+    self.value, self.hash = value, hash(value)
+
+  def __hash__(self) -> int:
+    return self.hash
+
+  def __eq__(self, other) -> bool:
+    return isinstance(other, _HashedOnce) and self.hash == other.hash and (
+        self.value is other.value or self.value == other.value)
+
+
+def _unwrapping_graphdef(fn):
+  """`fn` called with a `_HashedOnce` graphdef (its signature kept, for jit's argument names)."""
+  @functools.wraps(fn)
+  def call(graphdef, *args, **kwargs):
+    return fn(graphdef.value, *args, **kwargs)
+  return call
+
+
+_init_jit = jax.jit(_unwrapping_graphdef(init_state),
+                    static_argnames=("graphdef", "drafter", "cfg", "cache_size", "max_draft_len",
+                                     "mesh", "group", "target_cache_size"))
 # a segment takes its state (donated): its caches are updated in place, so the engine holds its
 # KV memory once, not twice, while a segment runs
-_segment_jit = jax.jit(run_segment, static_argnames=("graphdef", "drafter", "spec", "mesh"),
+_segment_jit = jax.jit(_unwrapping_graphdef(run_segment),
+                       static_argnames=("graphdef", "drafter", "spec", "mesh"),
                        donate_argnames=("state",))
 _take_jit = jax.jit(take_rows)
 _finish_jit = jax.jit(finish, static_argnames=("cfg",))
@@ -173,6 +200,7 @@ class _Run:
   def __init__(self, graphdef, params, drafter, drafter_params, cfg: SamplingConfig,
                cache_size: int, engine: EngineConfig, mesh, tuning: EngineTuning):
     self.graphdef, self.params = graphdef, params
+    self.jit_graphdef = _HashedOnce(graphdef)  # what the jitted programs take
     self.drafter, self.drafter_params = drafter, drafter_params
     self.cfg, self.cache_size, self.engine, self.mesh = cfg, cache_size, engine, mesh
     self.costs = tuning.costs
@@ -218,7 +246,7 @@ class _Run:
       drafter = dataclasses.replace(drafter, draft_len=max(k, 1),
                                     tree_width=width if k > 0 else 1)
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
-    return ((self.graphdef, self.params, drafter, self.drafter_params, key, state,
+    return ((self.jit_graphdef, self.params, drafter, self.drafter_params, key, state,
              jnp.int32(max_iters), jnp.int32(stop_at_live)),
             dict(spec=spec, mesh=self.mesh, stop_at_paused=jnp.int32(stop_at_paused),
                  commit=jnp.asarray(commit)))
@@ -341,7 +369,7 @@ class _Run:
         dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
     # a paged run prefills into a prompt-wide dense buffer, then copies it into pages
     target_size = prompts.shape[1] if self.engine.kv_cache_gb else 0
-    return _init_jit(self.graphdef, self.params, drafter, self.drafter_params, prompts,
+    return _init_jit(self.jit_graphdef, self.params, drafter, self.drafter_params, prompts,
                      prompt_lengths, key, cfg=self.cfg, cache_size=self.cache_size,
                      max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group,
                      target_cache_size=target_size)
