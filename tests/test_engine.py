@@ -2,6 +2,8 @@
 how much work a rollout does, never what it emits; rows stay in order and on their devices."""
 
 import dataclasses
+import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -347,10 +349,12 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
   assert len(paths) > 1, paths  # the rollouts did take different paths
 
 
-def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target):
+def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target, caplog):
   """Adaptive K with `compile_ahead`: the first rollout compiles each bucket's segment at every
   K in 0..max (the timed ones and those between), so a later rollout that picks another K
-  compiles nothing."""
+  compiles nothing. The preparation is logged once (a user waiting on a first rollout sees what
+  it compiles and how long it took), later rollouts log nothing."""
+  caplog.set_level(logging.INFO, logger="specjax.sampling.engine")
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   jax.clear_caches()
   tuning = EngineTuning()
@@ -362,10 +366,15 @@ def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target
   out = run(0)
   buckets = {s.bucket for s in out.segments}
   assert eng.compiled_programs() - start >= len(buckets) * 4  # K = 0, 1, 2, 3 per bucket
+  (line,) = [r.getMessage() for r in caplog.records if r.name == "specjax.sampling.engine"]
+  assert re.fullmatch(r"\[engine\] buckets \d+(/\d+)* at K 0-3: \d+ programs compiled in [\d.]+ s"
+                      r"(, step costs measured in [\d.]+ s)?", line), line
+  caplog.clear()
   before = eng.compiled_programs()
   for i in range(1, 4):
     jax.block_until_ready(run(i).tokens)
   assert eng.compiled_programs() == before
+  assert not [r for r in caplog.records if r.name == "specjax.sampling.engine"]
 
 
 def test_by_default_a_bucket_compiles_when_a_rollout_first_reaches_it(target):

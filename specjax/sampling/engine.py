@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import logging
 import math
 import os
 import time
@@ -36,6 +37,8 @@ from specjax.sampling.engine_config import EngineConfig, Segment
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.segment import (EngineState, SegmentSpec, init_state, map_rows,
                                       release_pages, run_segment, take_rows, with_page_table)
+
+logger = logging.getLogger(__name__)
 from specjax.sharding.rules import logical_to_spec
 
 def params_mesh(params):
@@ -307,7 +310,7 @@ class _Run:
     return self.costs.step_cost(self.cost_key(bucket, k, width), run,
                                 self.engine.calibration_iters, self.engine.calibration_repeats)
 
-  def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> None:
+  def prepare_buckets(self, state, buckets: list[int], queue_jobs: tuple = ()) -> EngineState:
     """Compile the programs of `buckets` (the first is `state`'s own bucket; the others' states
     are its first rows) on throwaway runs: each bucket's segment at every timed K (`timed_ks`;
     ahead: at every K),
@@ -345,11 +348,13 @@ class _Run:
         jobs.append(lambda b=b, k=k, w=window, width=width:
                     self.compile_segment(subs[b], k, w, width))
     threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
+    t0 = time.perf_counter()
     if threads > 1:
       with concurrent.futures.ThreadPoolExecutor(threads) as pool:
         jax.block_until_ready(list(pool.map(lambda job: job(), jobs)))
     else:
       jax.block_until_ready([job() for job in jobs])
+    compiled = time.perf_counter() - t0
     if self.adaptive:  # (the first bucket's are timed when the policy first asks for them)
       for b in buckets[1:]:
         # (a dry run takes its state's page buffers and gives them back: they go on to the
@@ -358,6 +363,13 @@ class _Run:
         for k, width in self.shapes(self.timed_ks):
           self.cost(box, b, k, prompt_len, width)
         state = paging.with_buffers(state, box[0])
+    # (progress for a user waiting on a first rollout: compiled programs found in a cache are
+    # counted too)
+    timed = time.perf_counter() - t0 - compiled
+    k_range = f"{min(ks)}-{max(ks)}" if len(ks) > 1 else f"{ks[0]}"
+    logger.info(f"[engine] buckets {'/'.join(map(str, buckets))} at K {k_range}: "
+                f"{len(jobs)} programs compiled in {compiled:.1f} s" +
+                (f", step costs measured in {timed:.1f} s" if timed >= 0.05 else ""))
     return state
 
   def shapes(self, ks) -> list[tuple[int, int]]:
