@@ -61,8 +61,9 @@ What each figure is:
   `continuous` (one call, `EngineConfig(max_rows=--queue-slots)`), `continuous_spec` (the same
   with the draft model, adaptive K), and at one KV budget (what half the slots' dense caches
   take) `dense` (that many slots) against `paged` (`kv_cache_gb` = the budget, up to
-  --queue-slots slots) and `paged_spec` (paged with the draft model, whose cache takes pages of
-  the same budget; adaptive K); --queue-arms picks some: tokens/s (the fastest of --queue-repeats calls after the first), rows
+  --queue-slots slots), `paged_spec` (paged with the draft model, whose cache takes pages of
+  the same budget; adaptive K) and `paged_tuned` (paged with the kernel's launch setting that
+  decoded fastest in the paged stage, run only after it); --queue-arms picks some: tokens/s (the fastest of --queue-repeats calls after the first), rows
   held (most live rows a segment started with, and the step-weighted mean), peak memory. Every
   arm compiles its buckets (at most --queue-buckets) before its first segment.
 """
@@ -77,6 +78,7 @@ import gc
 import json
 import os
 import platform
+import re
 import sys
 import time
 
@@ -105,7 +107,8 @@ SHAPES = {  # Qwen3 config.json values; random weights
 NOMINAL_GBPS = {"H100": 3350.0, "H200": 4800.0, "A100": 2039.0, "B200": 8000.0, "GB200": 8000.0}
 
 
-QUEUE_ARMS = ("waves", "continuous", "continuous_spec", "dense", "paged", "paged_spec")
+QUEUE_ARMS = ("waves", "continuous", "continuous_spec", "dense", "paged", "paged_spec",
+              "paged_tuned")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -511,7 +514,16 @@ def queue_stage(a, results: dict) -> None:
           model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
           engine=engine(max_rows=slots, kv_cache_gb=budget_gb), tuning=tunings["paged_spec"])],
   }
-  arms = {name: arms[name] for name in a.queue_arms}
+  # paged with the kernel's launch setting that decoded fastest in this run's paged stage
+  tuned = fastest_launch(results)
+  if tuned is not None:
+    arms["paged_tuned"] = lambda i: [generate(
+        model, prompts, lengths, jax.random.key(i), scfg,
+        engine=engine(max_rows=slots, kv_cache_gb=budget_gb, kernel_pages=tuned[0],
+                      kernel_warps=tuned[1]), tuning=tunings["paged_tuned"])]
+  elif "paged_tuned" in a.queue_arms:
+    log("queue paged_tuned: skipped (no paged stage ran before the queue)")
+  arms = {name: arms[name] for name in a.queue_arms if name in arms}
   stage = {"model": a.queue_model, "rows": rows, "slots": slots, "group": a.queue_group,
            "prompt_len": a.queue_prompt_len, "max_new_tokens": a.queue_new_tokens,
            "eos_ids": len(eos), "kv_budget_gb": budget_gb, "kv_budget_dense_rows": budget_rows,
@@ -552,7 +564,9 @@ def queue_stage(a, results: dict) -> None:
       for sg in segs:
         rec["steps_by_k"][str(sg.draft_len)] = rec["steps_by_k"].get(str(sg.draft_len), 0) + \
             sg.iterations
-    if name in ("paged", "paged_spec"):
+    if name == "paged_tuned":
+      rec["kernel_pages"], rec["kernel_warps"] = tuned
+    if name in ("paged", "paged_spec", "paged_tuned"):
       rec["pages_in_use_max"] = max(s.pages_in_use for s in segs)
       rec["swapped_out"] = sum(s.swapped_out for s in segs)
     stage["arms"][name] = rec
@@ -566,6 +580,19 @@ def queue_stage(a, results: dict) -> None:
     write(a, results)
   model = draft = dparams = None
   gc.collect()
+
+
+def fastest_launch(results: dict) -> tuple[int, int] | None:
+  """(pages per loop step, warps; 0: the default) of the kernel's fastest decode (one query per
+  row) in this run's paged stage; None when it did not run."""
+  rows = [r for r in results.get("paged", {}).get("timings", []) if r["tokens"] == 1]
+  name = rows[0].get("fastest_pallas") if rows else None
+  if name is None:
+    return None
+  if name == "pallas":
+    return paged.PAGES_PER_BLOCK, paged.NUM_WARPS or 0
+  pages, warps = re.fullmatch(r"pallas_p(\d+)_w(\w+)", name).groups()
+  return int(pages), 0 if warps == "default" else int(warps)
 
 
 PAGE_SIZE = 16

@@ -200,7 +200,8 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
     assert arms[tree]["step_ms"] > 0
   queue = data["queue"]  # 6 prompts x 2 samples on 4 slots; half the slots' KV as the budget
   assert set(queue["arms"]) == {"waves", "continuous", "continuous_spec", "dense", "paged",
-                                "paged_spec"}
+                                "paged_spec", "paged_tuned"}
+  assert queue["arms"]["paged_tuned"]["kernel_pages"] in (1, 4)  # the paged stage's fastest
   assert queue["rows"] == 12 and queue["kv_budget_dense_rows"] == 2
   for name, rec in queue["arms"].items():
     assert rec["tokens_per_s"] > 0 and rec["tokens"] > 0 and rec["rows_max"] <= 4, name

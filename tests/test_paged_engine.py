@@ -276,6 +276,27 @@ def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
                          GREEDY, engine=paged(8))
   with pytest.raises(ValueError, match="EngineConfig.page_size"):
     EngineConfig(page_size=0)
+  with pytest.raises(ValueError, match="EngineConfig.kernel_pages"):
+    EngineConfig(kernel_pages=3)
+
+
+def test_the_kernels_launch_settings_reach_every_paged_attention(target, static_ar, monkeypatch):
+  """`EngineConfig.kernel_pages` / `kernel_warps` travel with the target's and the draft model's
+  pools into every paged attention call (the GPU kernel's launch; the CPU path ignores them),
+  and the rollout is the plain loop's."""
+  from specjax.models import paged as paged_lib
+  seen, real = set(), paged_lib.paged_attention
+
+  def recorded(*args, **kw):
+    seen.add((kw.get("pages_per_block"), kw.get("num_warps")))
+    return real(*args, **kw)
+
+  monkeypatch.setattr(paged_lib, "paged_attention", recorded)
+  drafter, params = DraftModelDrafter.from_model(truncated_copy(target, 1), 3)
+  out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
+                             GREEDY, engine=paged(60, kernel_pages=4, kernel_warps=2))
+  assert_same_rollout(out, static_ar)
+  assert seen == {(4, 2)}
 
 
 def collective_sizes(hlo: str) -> list[int]:

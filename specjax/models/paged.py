@@ -61,13 +61,18 @@ class PagedKV:
   window: int = struct.field(pytree_node=False, default=0)
   # the mesh the pool is split over (static; None: one device): see the module docstring
   mesh: jax.sharding.Mesh | None = struct.field(pytree_node=False, default=None)
+  # the Pallas kernel's launch settings (static; 0: its defaults), `paged_attention_pallas`
+  kernel_pages: int = struct.field(pytree_node=False, default=0)
+  kernel_warps: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, batch: int,
              max_pages_per_row: int, num_kv_heads: int, head_dim: int,
-             dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None) -> PagedKV:
+             dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None, kernel_pages: int = 0,
+             kernel_warps: int = 0) -> PagedKV:
     """An empty pool. With `mesh`, `num_pages` is the whole pool's (the data-parallel size
-    times each replica's), made on the devices in place."""
+    times each replica's), made on the devices in place. `kernel_pages`, `kernel_warps`: the
+    GPU kernel's launch settings (0: its defaults)."""
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     zeros = lambda: jnp.zeros(shape, dtype)
     if mesh is not None:
@@ -75,7 +80,8 @@ class PagedKV:
       zeros = jax.jit(zeros, out_shardings=NamedSharding(mesh, pool_spec(mesh, shape)))
     return cls(k=zeros(), v=zeros(),
                page_table=jnp.full((batch, max_pages_per_row), NO_PAGE, jnp.int32),
-               lengths=jnp.zeros((batch,), jnp.int32), mesh=mesh)
+               lengths=jnp.zeros((batch,), jnp.int32), mesh=mesh, kernel_pages=kernel_pages,
+               kernel_warps=kernel_warps)
 
   @property
   def num_layers(self) -> int:
@@ -141,6 +147,8 @@ class PagedKV:
     """`paged_attention` of queries q [B, T, H, Dh] at `start` (default: the committed lengths)
     over `layer`, after their own keys were written: each row sees start + T keys."""
     start = self.lengths if start is None else start
+    kwargs = dict(pages_per_block=self.kernel_pages or None,
+                  num_warps=self.kernel_warps or None, **kwargs)
     if self.mesh is None:
       return paged_attention(q, self.k, self.v, self.page_table, start + q.shape[1], start,
                              layer=layer, **kwargs)
@@ -503,16 +511,15 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
 def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_table: jax.Array,
                     lengths: jax.Array, start: jax.Array, *, layer=None,
                     max_len: int | None = None, implementation: str | None = None,
-                    interpret: bool = False, **launch) -> jax.Array:
+                    interpret: bool = False, pages_per_block: int | None = None,
+                    num_warps: int | None = None) -> jax.Array:
   """Paged attention (semantics of `paged_attention_reference`). `implementation`: "pallas"
-  (the kernel; `interpret=True` runs it on any backend; `launch`: its `pages_per_block` and
-  `num_warps`), "reference", "chunked" (`paged_attention_chunked`), or None: the kernel on GPU,
-  chunked elsewhere."""
+  (the kernel; `interpret=True` runs it on any backend), "reference", "chunked"
+  (`paged_attention_chunked`), or None: the kernel on GPU, chunked elsewhere.
+  `pages_per_block` and `num_warps` are the kernel's launch settings (None: its defaults), which
+  the other implementations ignore (one configuration serves every backend)."""
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "chunked"
-  if launch and implementation != "pallas":
-    raise ValueError(f"{sorted(launch)}: launch settings of the Pallas kernel, not of "
-                     f"implementation={implementation!r}")
   if implementation == "reference":
     return paged_attention_reference(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
                                      max_len=max_len)
@@ -521,6 +528,7 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_tab
                                    max_len=max_len)
   if implementation == "pallas":
     return paged_attention_pallas(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
-                                  max_len=max_len, interpret=interpret, **launch)
+                                  max_len=max_len, interpret=interpret,
+                                  pages_per_block=pages_per_block, num_warps=num_warps)
   raise ValueError(f"implementation={implementation!r}: expected None, 'reference', 'chunked' or "
                    "'pallas'")

@@ -449,14 +449,16 @@ class _Run:
     slots = state.done.shape[0]
     pages = self.page_pool(slots, data_parallel_size(self.mesh))
     admitted = self.first_admission(pages, prompt_lengths[:slots], group)
+    launch = dict(kernel_pages=self.engine.kernel_pages, kernel_warps=self.engine.kernel_warps)
     pool = PagedKV.create(len(dense.k), pages.num_pages, pages.page_size, slots,
-                          pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=self.mesh)
+                          pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=self.mesh, **launch)
     draft_pool = None
     if self.pages_drafter():
       draft = paging.drafter_cache(state.drafter_state)  # (dense, prompt-wide: the prefill's)
       _, d_hkv, d_dh, _ = draft.k[0].shape
       draft_pool = PagedKV.create(len(draft.k), pages.num_pages, pages.page_size, slots,
-                                  pages.max_pages, d_hkv, d_dh, draft.k[0].dtype, mesh=self.mesh)
+                                  pages.max_pages, d_hkv, d_dh, draft.k[0].dtype, mesh=self.mesh,
+                                  **launch)
     table = pages.table(np.arange(slots), np.where(admitted, 0, -1))
     state = paging.start_paged(state, pool, jnp.asarray(table), jnp.asarray(admitted),
                                draft_pool)

@@ -31,6 +31,10 @@ class EngineConfig:
   kv_cache_gb: float = 0.0
   page_size: int = 16
   page_ahead: int = 32  # positions of pages a row takes beyond its next step when it grows
+  # paged KV on a GPU: the attention kernel's pages of K and V per loop step and warps per
+  # program (0: `specjax.models.paged.PAGES_PER_BLOCK` and `NUM_WARPS`); ignored elsewhere
+  kernel_pages: int = 0
+  kernel_warps: int = 0
   compaction: bool = True  # gather live rows into the next bucket when they fit
   min_bucket: int = 1  # smallest bucket (raised to the data-parallel size)
   max_buckets: int = 6  # bucket sizes per batch: B, then halvings (bounds compiled programs)
@@ -90,6 +94,11 @@ class EngineConfig:
           f"{self.kv_cache_gb}")
     check(self.page_size >= 1, "page_size", f"must be >= 1, got {self.page_size}")
     check(self.page_ahead >= 1, "page_ahead", f"must be >= 1, got {self.page_ahead}")
+    check(self.kernel_pages >= 0 and not self.kernel_pages & (self.kernel_pages - 1),
+          "kernel_pages", f"must be a power of two (0: the kernel's default), got "
+          f"{self.kernel_pages}")
+    check(self.kernel_warps >= 0, "kernel_warps", f"must be >= 0 (0: the kernel's default), got "
+          f"{self.kernel_warps}")
     check(self.min_bucket >= 1, "min_bucket", f"must be >= 1, got {self.min_bucket}")
     check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
     check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
