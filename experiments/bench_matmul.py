@@ -7,10 +7,11 @@
 One timed call is a 28-layer chain, each layer with its own weights (1.76 GB in all, so they stream
 from memory as in decode, never from cache): h -> q, k, v = h Wq, h Wk, h Wv -> h += (q/2) Wo ->
 g, u = h Wg, h Wu -> h += (silu(g) u) Wd -> RMS-normalise h; k + v accumulate into a second output.
-Two forms: `separate` (q [1024, 2048], k and v [1024, 1024] each, o [2048, 1024], gate and up
-[1024, 3072], down [3072, 1024]) and `fused` (q|k|v as one [1024, 4096], gate|up as one
-[1024, 6144]). Weights are laid out [in, out] as specjax keeps them (x @ W); torch gets them
-[out, in] as its models keep them (F.linear). Reported per chain: ms (best of all timed chains:
+Three forms: `separate` (q [1024, 2048], k and v [1024, 1024] each, o [2048, 1024], gate and up
+[1024, 3072], down [3072, 1024]), `fused` (q|k|v as one [1024, 4096], gate|up as one
+[1024, 6144]) and `out_in` (the separate products, XLA's weights stored transposed). Weights are
+laid out [in, out] as specjax keeps them (x @ W), except in `out_in`; torch gets them [out, in]
+as its models keep them (F.linear), its `out_in` the same program as its `separate`. Reported per chain: ms (best of all timed chains:
 --repeats per round, in --rounds rounds; medians in the JSON), GB/s of weight reads, GFLOP/s
 (2 M x weights), and the time over torch's. A loaded machine moves these by 2x between minutes:
 compare arms on a quiet one.
@@ -50,6 +51,10 @@ D, Q, KV, MLP = 1024, 2048, 1024, 3072  # hidden, q width (16 x 128), k or v wid
 FORMS = {  # name -> [(product, (in, out))]
     "separate": [("q", (D, Q)), ("k", (D, KV)), ("v", (D, KV)), ("o", (Q, D)), ("gate", (D, MLP)),
                  ("up", (D, MLP)), ("down", (MLP, D))],
+    # the separate products with XLA's weights stored [out, in] (as torch keeps them), each
+    # product contracting the weight's second axis
+    "out_in": [("q", (D, Q)), ("k", (D, KV)), ("v", (D, KV)), ("o", (Q, D)), ("gate", (D, MLP)),
+               ("up", (D, MLP)), ("down", (MLP, D))],
     "fused": [("qkv", (D, Q + 2 * KV)), ("o", (Q, D)), ("gateup", (D, 2 * MLP)), ("down", (MLP, D))],
 }
 # jax 0.10.2's default CPU dot is a YNNPACK fusion; an empty ynn fusion type turns it off (XLA's
@@ -121,18 +126,20 @@ def child_xla(a) -> dict:
   import numpy as np
 
   def layer(form, h, acc, w):
+    mm = ((lambda x, wt: jax.lax.dot_general(x, wt, (((1,), (1,)), ((), ()))))
+          if form == "out_in" else (lambda x, wt: x @ wt))
     if form == "fused":
       qkv = h @ w["qkv"]
       q, k, v = qkv[:, :Q], qkv[:, Q:Q + KV], qkv[:, Q + KV:]
     else:
-      q, k, v = h @ w["q"], h @ w["k"], h @ w["v"]
-    h = h + (0.5 * q) @ w["o"]
+      q, k, v = mm(h, w["q"]), mm(h, w["k"]), mm(h, w["v"])
+    h = h + mm(0.5 * q, w["o"])
     if form == "fused":
       gu = h @ w["gateup"]
       g, u = gu[:, :MLP], gu[:, MLP:]
     else:
-      g, u = h @ w["gate"], h @ w["up"]
-    h = h + (jax.nn.silu(g) * u) @ w["down"]
+      g, u = mm(h, w["gate"]), mm(h, w["up"])
+    h = h + mm(jax.nn.silu(g) * u, w["down"])
     h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6)
     return h, acc + k + v
 
@@ -140,6 +147,8 @@ def child_xla(a) -> dict:
          "XLA_FLAGS": os.environ.get("XLA_FLAGS", ""), "runs": [], "hlo": {}}
   for form in a.forms:
     base = host_weights(form)
+    if form == "out_in":
+      base = {k: np.ascontiguousarray(v.T) for k, v in base.items()}
     # distinct buffers per layer (values scaled per layer; no two layers share memory)
     weights = [{k: jax.device_put(v * np.float32(1 + 1e-3 * i)) for k, v in base.items()}
                for i in range(LAYERS)]
