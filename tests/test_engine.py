@@ -596,8 +596,9 @@ def test_a_dry_segment_steps_and_gives_the_state_back_as_it_was(target):
   from specjax.sampling.segment import SegmentSpec
 
   graphdef, params = nnx.split(target)
-  graphdef = eng._HashedOnce(graphdef)  # as the engine passes it
+  graphdef = eng._HashedOnce(graphdef)  # as the engine passes it (the drafter too)
   drafter, dparams = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(1)), draft_len=2)
+  drafter = eng._HashedOnce(drafter)
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   init = lambda: eng._init_jit(graphdef, params, drafter, dparams, PROMPTS, PROMPT_LENGTHS,
                                jax.random.key(3), cfg=sampled, cache_size=40, max_draft_len=2)

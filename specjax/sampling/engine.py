@@ -73,20 +73,22 @@ class _HashedOnce:
         self.value is other.value or self.value == other.value)
 
 
-def _unwrapping_graphdef(fn):
-  """`fn` called with a `_HashedOnce` graphdef (its signature kept, for jit's argument names)."""
+def _unwrapping_statics(fn):
+  """`fn(graphdef, params, drafter, ...)` called with a `_HashedOnce` graphdef and drafter (or
+  None); its signature kept, for jit's argument names."""
   @functools.wraps(fn)
-  def call(graphdef, *args, **kwargs):
-    return fn(graphdef.value, *args, **kwargs)
+  def call(graphdef, params, drafter, *args, **kwargs):
+    return fn(graphdef.value, params, None if drafter is None else drafter.value, *args,
+              **kwargs)
   return call
 
 
-_init_jit = jax.jit(_unwrapping_graphdef(init_state),
+_init_jit = jax.jit(_unwrapping_statics(init_state),
                     static_argnames=("graphdef", "drafter", "cfg", "cache_size", "max_draft_len",
                                      "mesh", "group", "target_cache_size"))
 # a segment takes its state (donated): its caches are updated in place, so the engine holds its
 # KV memory once, not twice, while a segment runs
-_segment_jit = jax.jit(_unwrapping_graphdef(run_segment),
+_segment_jit = jax.jit(_unwrapping_statics(run_segment),
                        static_argnames=("graphdef", "drafter", "spec", "mesh"),
                        donate_argnames=("state",))
 _take_jit = jax.jit(take_rows)
@@ -204,6 +206,7 @@ class _Run:
                cache_size: int, engine: EngineConfig, mesh, tuning: EngineTuning):
     self.graphdef, self.params = graphdef, params
     self.jit_graphdef = _HashedOnce(graphdef)  # what the jitted programs take
+    self._jit_drafters = {}  # (draft_len, tree_width) -> the drafter they take, hashed once
     self.drafter, self.drafter_params = drafter, drafter_params
     self.cfg, self.cache_size, self.engine, self.mesh = cfg, cache_size, engine, mesh
     self.costs = tuning.costs
@@ -244,15 +247,23 @@ class _Run:
                     width: int = 1) -> tuple[tuple, dict]:
     observe = k > 0 or (self.drafter is not None and self.drafter.stateful and
                         not self.policy.retired)
-    drafter = self.drafter if observe else None
-    if drafter is not None:  # (K = 0: one AR program whatever the width)
-      drafter = dataclasses.replace(drafter, draft_len=max(k, 1),
-                                    tree_width=width if k > 0 else 1)
+    # (K = 0: one AR program whatever the width)
+    drafter = self.jit_drafter(max(k, 1), width if k > 0 else 1) if observe else None
     spec = SegmentSpec(cfg=self.cfg, draft_len=k, window=window)
     return ((self.jit_graphdef, self.params, drafter, self.drafter_params, key, state,
              jnp.int32(max_iters), jnp.int32(stop_at_live)),
             dict(spec=spec, mesh=self.mesh, stop_at_paused=jnp.int32(stop_at_paused),
                  commit=jnp.asarray(commit)))
+
+  def jit_drafter(self, draft_len: int, tree_width: int | None = None) -> _HashedOnce:
+    """The drafter at `draft_len` (and `tree_width`; None: its own) as the jitted programs take
+    it, made and hashed once per run (a draft model's graphdef is hashed as the target's is)."""
+    key = (draft_len, tree_width)
+    if key not in self._jit_drafters:
+      changes = dict(draft_len=draft_len) if tree_width is None else \
+          dict(draft_len=draft_len, tree_width=tree_width)
+      self._jit_drafters[key] = _HashedOnce(dataclasses.replace(self.drafter, **changes))
+    return self._jit_drafters[key]
 
   def segment(self, state, key, bucket: int, k: int, window: int, max_iters: int,
               stop_at_live: int, stop_at_paused: int = 1, commit: bool = True, width: int = 1):
@@ -377,8 +388,7 @@ class _Run:
     return [(k, w) for k in ks for w in (self.widths[:1] if k == 0 else self.widths)]
 
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
-    drafter = None if self.drafter is None else \
-        dataclasses.replace(self.drafter, draft_len=max(self.k_max, 1))
+    drafter = None if self.drafter is None else self.jit_drafter(max(self.k_max, 1))
     # a paged run prefills into a prompt-wide dense buffer, then copies it into pages
     target_size = prompts.shape[1] if self.engine.kv_cache_gb else 0
     return _init_jit(self.jit_graphdef, self.params, drafter, self.drafter_params, prompts,
