@@ -379,7 +379,7 @@ class _Run:
     timed = time.perf_counter() - t0 - compiled
     k_range = f"{min(ks)}-{max(ks)}" if len(ks) > 1 else f"{ks[0]}"
     logger.info(f"[engine] buckets {'/'.join(map(str, buckets))} at K {k_range}: "
-                f"{len(jobs)} programs compiled in {compiled:.1f} s" +
+                f"{len(jobs)} program{'s' * (len(jobs) != 1)} compiled in {compiled:.1f} s" +
                 (f", step costs measured in {timed:.1f} s" if timed >= 0.05 else ""))
     return state
 
