@@ -196,16 +196,20 @@ def test_cache_attention_in_chunks_equals_reading_the_whole_cache_and_reads_only
   assert np.isnan(np.asarray(attend_cache(q, k_nan, v_nan, mask, chunk=s))).any()
 
 
+def _cache_problem(seed: int, b: int, s: int, t: int, h: int = 4, hkv: int = 2, dh: int = 8):
+  """Random q [B, T, H, Dh], cache buffers k [B, Hkv, Dh, S] and v [B, Hkv, S, Dh] (`KVCache`
+  layout), and output weights w [B, T, H, Dh] for a scalar loss."""
+  ks = jax.random.split(jax.random.key(seed), 4)
+  return (jax.random.normal(ks[0], (b, t, h, dh)), jax.random.normal(ks[1], (b, hkv, dh, s)),
+          jax.random.normal(ks[2], (b, hkv, s, dh)), jax.random.normal(ks[3], (b, t, h, dh)))
+
+
 def test_cache_attention_read_in_chunks_has_the_whole_reads_gradient():
   """A loop of dynamic length has no reverse mode: the chunked read's gradient is the whole
   read's (EAGLE-3's training-time test differentiates through cached attention)."""
   from specjax.models.layers import attend_cache
-  b, s, t, h, hkv, dh = 2, 37, 3, 4, 2, 8
-  ks = jax.random.split(jax.random.key(5), 4)
-  q = jax.random.normal(ks[0], (b, t, h, dh))
-  k = jax.random.normal(ks[1], (b, hkv, dh, s))
-  v = jax.random.normal(ks[2], (b, hkv, s, dh))
-  w = jax.random.normal(ks[3], (b, t, h, dh))
+  b, s, t = 2, 37, 3
+  q, k, v, w = _cache_problem(5, b, s, t)
   qpos = jnp.array([20, 9])[:, None] + jnp.arange(t)[None]
   mask = jnp.arange(s)[None, None, :] <= qpos[:, :, None]
   loss = lambda chunk, min_bytes: lambda q, k, v: jnp.sum(
@@ -224,12 +228,8 @@ def test_a_prefill_attends_in_query_blocks_with_the_results_and_gradient_of_one_
   block of all 23, values and gradients, whole reads and chunked; a row that sees no key
   returns 0; the scores in the program are [.., 4, S], never [.., 23, S]."""
   from specjax.models.layers import attend_cache
-  b, s, t, h, hkv, dh = 3, 37, 23, 4, 2, 8
-  ks = jax.random.split(jax.random.key(7), 4)
-  q = jax.random.normal(ks[0], (b, t, h, dh))
-  k = jax.random.normal(ks[1], (b, hkv, dh, s))
-  v = jax.random.normal(ks[2], (b, hkv, s, dh))
-  w = jax.random.normal(ks[3], (b, t, h, dh))
+  b, s, t = 3, 37, 23
+  q, k, v, w = _cache_problem(7, b, s, t)
   qpos = jnp.array([0, 14, 3])[:, None] + jnp.arange(t)[None]
   mask = (jnp.arange(s)[None, None, :] <= qpos[:, :, None]).at[2].set(False)
   attn = lambda block: lambda q, k, v: attend_cache(q, k, v, mask, chunk=chunk,
