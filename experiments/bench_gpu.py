@@ -16,11 +16,12 @@ What each figure is:
 - paged: the Pallas paged-attention kernel (`paged_attention(implementation="pallas")`, compiled
   for the device; interpret mode where there is no GPU) against the plain-formula reference on
   pages with holes, out-of-order pages, a padding row and a stacked pool (max abs difference,
-  float32 and bfloat16, one token and a verify block; and at every launch setting, --pages-per-block
-  x --num-warps, on one of them); then milliseconds per call of the kernel (at its default launch
-  setting and at every other), the reference and the chunked pure-JAX path (chunks forced: off
-  the CPU its default is the reference) at Qwen3-8B attention heads over --paged-batch rows
-  of ragged lengths up to --paged-context (GB/s: K and V bytes of the visible positions / time);
+  float32 and bfloat16, one token and a verify block; and at every launch setting,
+  --pages-per-block x --num-warps, on one of them); then milliseconds per call of the kernel (at
+  its default launch setting and at every other), the reference and the chunked pure-JAX path
+  (chunks forced: off the CPU its default is the reference) at Qwen3-8B attention heads over
+  --paged-batch rows of ragged lengths up to --paged-context (GB/s: K and V bytes of the visible
+  positions / time);
   then greedy `generate` on a small float32 model through the paged engine (the kernel inside
   every step) against the dense engine: rows whose tokens are identical.
 - decode: `generate` with the plain loop (`STATIC`: one program per batch, full batch, whole
@@ -63,8 +64,9 @@ What each figure is:
   take) `dense` (that many slots) against `paged` (`kv_cache_gb` = the budget, up to
   --queue-slots slots), `paged_spec` (paged with the draft model, whose cache takes pages of
   the same budget; adaptive K) and `paged_tuned` (paged with the kernel's launch setting that
-  decoded fastest in the paged stage, run only after it); --queue-arms picks some: tokens/s (the fastest of --queue-repeats calls after the first), rows
-  held (most live rows a segment started with, and the step-weighted mean), peak memory. Every
+  decoded fastest in the paged stage, run only after it); --queue-arms picks some: tokens/s
+  (the fastest of --queue-repeats calls after the first), rows held (most live rows a segment
+  started with, and the step-weighted mean), peak memory. Every
   arm compiles its buckets (at most --queue-buckets) before its first segment.
 """
 
@@ -698,7 +700,8 @@ def paged_stage(a, results: dict) -> None:
     row = {"tokens": t, "batch": a.paged_batch, "max_len": int(lengths.max()),
            "mean_len": float(lengths.mean()), "kv_gbytes": kv_bytes / 1e9, "dtype": a.dtype}
     variants = [(impl, None) for impl in impls] + [
-        ("pallas", launch) for launch in launches if launch != (paged.PAGES_PER_BLOCK, 0)]
+        ("pallas", launch) for launch in launches
+        if launch != (paged.PAGES_PER_BLOCK, paged.NUM_WARPS or 0)]
     for impl, launch in variants:
       fn = jax.jit(kernel if impl == "pallas" and launch is None else
                    functools.partial(kernel, pages_per_block=launch[0],

@@ -37,9 +37,10 @@ from specjax.sampling.engine_config import EngineConfig, Segment
 from specjax.sampling.metrics import AcceptanceCounts
 from specjax.sampling.segment import (EngineState, SegmentSpec, init_state, map_rows,
                                       release_pages, run_segment, take_rows, with_page_table)
+from specjax.sharding.rules import logical_to_spec
 
 logger = logging.getLogger(__name__)
-from specjax.sharding.rules import logical_to_spec
+
 
 def params_mesh(params):
   """The mesh the parameters are sharded over, when they are (more than one device)."""
