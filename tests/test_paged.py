@@ -4,6 +4,7 @@ invariants under random admit / grow / share / release / preempt sequences."""
 
 import copy
 import os
+import re
 import subprocess
 import sys
 
@@ -175,6 +176,28 @@ def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer, per):
   chex.assert_shape(got, q.shape)
   np.testing.assert_allclose(got, want, atol=2e-6)
   np.testing.assert_array_equal(got[2], 0.0)
+
+
+@pytest.mark.parametrize("t", [1, 5])
+def test_pallas_kernel_lowers_to_triton_for_cuda_at_every_launch_setting(t):
+  """The kernel lowered for CUDA on this CPU (no GPU compile): every launch setting
+  `bench_gpu.py` sweeps becomes one Triton call with its warps, whatever Pallas's default GPU
+  backend (Mosaic GPU in jax 0.10, which cannot stage the pool)."""
+  pytest.importorskip("jax.experimental.pallas.triton")
+  q = jax.ShapeDtypeStruct((4, t, 16, 128), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((2, 8, 64, 16, 128), jnp.bfloat16)
+  table = jax.ShapeDtypeStruct((4, 8), jnp.int32)
+  rows = jax.ShapeDtypeStruct((4,), jnp.int32)
+  for per in (1, 2, 4, 8):
+    for warps in (None, 8):
+      def attend(q, pk, pv, table, lengths, start, per=per, warps=warps):
+        return paged.paged_attention(q, pk, pv, table, lengths, start, layer=1,
+                                     implementation="pallas", pages_per_block=per,
+                                     num_warps=warps)
+      text = jax.jit(attend).trace(q, pool, pool, table, rows, rows).lower(
+          lowering_platforms=("cuda",)).as_text()
+      assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"], (per, warps)
+      assert re.findall(r"num_warps = (\d+)", text) == [str(warps or 4)], (per, warps)
 
 
 @pytest.mark.parametrize("t,heads,layer,width", [(1, 4, None, 6), (5, 4, 1, 5), (3, 2, None, 5)])

@@ -461,9 +461,10 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   loop step. A stacked pool is indexed with `layer` inside the kernel, so no layer slice is
   copied out of it. `num_warps` (default `NUM_WARPS`) is Triton's per program.
 
-  Written for the Triton lowering (GPU): the queries of a (row, kv head) are padded to a power of
-  two >= 16 rows; page_size and Dh must then be powers of two >= 16 (tl.dot's minimum). Tested
-  in interpret mode on CPU against the reference; `experiments/bench_gpu.py` checks it compiled
+  Lowered with Triton on GPUs, whatever Pallas's default GPU backend: the queries of a (row, kv
+  head) are padded to a power of two >= 16 rows; page_size and Dh must then be powers of two >= 16
+  (tl.dot's minimum). Tested in interpret mode on CPU against the reference, and lowered for CUDA
+  on CPU at every launch setting; `experiments/bench_gpu.py` checks it compiled
   on a GPU (against the reference, and inside the paged engine) and times it at several
   `pages_per_block` and `num_warps`. No split over pages for long rows."""
   pk, pv, layer = _stacked(pool_k, pool_v, layer)
@@ -489,9 +490,13 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   whole = pl.BlockSpec()  # the whole array: scalars and pages are indexed inside the kernel
   tile = pl.BlockSpec((None, None, rows, dh), lambda i, j: (i, j, 0, 0))
   params = {}
-  if warps is not None and not interpret:
-    from jax.experimental.pallas import triton as pl_triton  # (GPU launch settings)
-    params["compiler_params"] = pl_triton.CompilerParams(num_warps=int(warps))
+  if not interpret:
+    # Triton, named: with no compiler parameters Pallas picks its GPU backend from the
+    # `jax_pallas_use_mosaic_gpu` option, on by default in jax 0.10, and Mosaic GPU would stage
+    # the whole pool (a `BlockSpec()` operand) in shared memory, which no pool fits
+    from jax.experimental.pallas import triton as pl_triton
+    params["compiler_params"] = pl_triton.CompilerParams(
+        num_warps=None if warps is None else int(warps))
   out = pl.pallas_call(
       functools.partial(_kernel, group=g, num_tokens=t, scale=1.0 / math.sqrt(dh),
                         pages_per_block=per),
