@@ -182,7 +182,7 @@ def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer, per):
 def test_pallas_kernel_lowers_to_triton_for_cuda_at_every_launch_setting(t):
   """The kernel lowered for CUDA on this CPU (no GPU compile): every launch setting
   `bench_gpu.py` sweeps becomes one Triton call with its warps, whatever Pallas's default GPU
-  backend (Mosaic GPU in jax 0.10, which cannot stage the pool)."""
+  backend (Mosaic GPU where installed, which cannot stage the pool in shared memory)."""
   pytest.importorskip("jax.experimental.pallas.triton")
   q = jax.ShapeDtypeStruct((4, t, 16, 128), jnp.bfloat16)
   pool = jax.ShapeDtypeStruct((2, 8, 64, 16, 128), jnp.bfloat16)

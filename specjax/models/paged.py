@@ -491,9 +491,10 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   tile = pl.BlockSpec((None, None, rows, dh), lambda i, j: (i, j, 0, 0))
   params = {}
   if not interpret:
-    # Triton, named: with no compiler parameters Pallas picks its GPU backend from the
-    # `jax_pallas_use_mosaic_gpu` option, on by default in jax 0.10, and Mosaic GPU would stage
-    # the whole pool (a `BlockSpec()` operand) in shared memory, which no pool fits
+    # Triton, named: with no compiler parameters Pallas lowers to Mosaic GPU wherever it is
+    # installed (the `jax_pallas_use_mosaic_gpu` option is on by default in jax 0.10.2), and
+    # Mosaic GPU stages the whole pool (a `BlockSpec()` operand) in shared memory, which no pool
+    # fits
     from jax.experimental.pallas import triton as pl_triton
     params["compiler_params"] = pl_triton.CompilerParams(
         num_warps=None if warps is None else int(warps))
