@@ -197,7 +197,8 @@ def test_pallas_kernel_lowers_to_triton_for_cuda_at_every_launch_setting(t):
       text = jax.jit(attend).trace(q, pool, pool, table, rows, rows).lower(
           lowering_platforms=("cuda",)).as_text()
       assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"], (per, warps)
-      assert re.findall(r"num_warps = (\d+)", text) == [str(warps or 4)], (per, warps)
+      found = re.findall(r"num_warps = (\d+)", text)  # None: Triton's default
+      assert len(found) == 1 and warps in (None, int(found[0])), (per, warps, found)
 
 
 @pytest.mark.parametrize("t,heads,layer,width", [(1, 4, None, 6), (5, 4, 1, 5), (3, 2, None, 5)])

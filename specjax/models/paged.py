@@ -464,9 +464,9 @@ def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   Lowered with Triton on GPUs, whatever Pallas's default GPU backend: the queries of a (row, kv
   head) are padded to a power of two >= 16 rows; page_size and Dh must then be powers of two >= 16
   (tl.dot's minimum). Tested in interpret mode on CPU against the reference, and lowered for CUDA
-  on CPU at every launch setting; `experiments/bench_gpu.py` checks it compiled
-  on a GPU (against the reference, and inside the paged engine) and times it at several
-  `pages_per_block` and `num_warps`. No split over pages for long rows."""
+  on CPU at every launch setting; `experiments/bench_gpu.py` checks it compiled on a GPU (against
+  the reference, and inside the paged engine) and times it at several `pages_per_block` and
+  `num_warps`. No split over pages for long rows."""
   pk, pv, layer = _stacked(pool_k, pool_v, layer)
   _, hkv, _, page_size, dh = pk.shape
   b, t, h, _ = q.shape
