@@ -26,7 +26,9 @@ untimed, then --repeats interleaved rounds):
                    to --paged-slots slots (default 2 x --slots), rows admitted while pages are
                    free, a GRPO group's samples sharing their prompt pages
 `--whole-cache-reads` makes every step's attention read its caches whole (in this process), for
-a side-by-side with the default, which reads only their live part. Tokens/s counts completion
+a side-by-side with the default, which reads only their live part; `--no-single-pass` keeps the
+chunk loop for steps whose furthest row reaches the last chunk (`cache.SUMS_MAX_QUERIES` = 0),
+the other arm of a side-by-side with the default's one pass. Tokens/s counts completion
 tokens; `rows.dense` / `rows.paged` are the rows each held at once
 (paged: the most live rows any segment started with, and the step-weighted mean). Prints a
 table, writes JSON (`arms.<arm>.tokens_per_s`, paired per-round ratios, the acceptance length
@@ -101,6 +103,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--whole-cache-reads", action="store_true",
                  help="attention reads every KV cache whole (this process), not only the live "
                       "part a chunk at a time: the other arm of a side-by-side")
+  p.add_argument("--no-single-pass", action="store_true",
+                 help="steps that reach the caches' last chunk loop over chunks too (this "
+                      "process), not one pass over the whole caches: the other arm of a "
+                      "side-by-side")
   p.add_argument("--out", default="runs/bench_queue.json")
   a = p.parse_args(argv)
   quick = dict(prompts=32, slots=16, repeats=1) if a.quick else dict(prompts=64, slots=32,
@@ -128,6 +134,8 @@ def main(argv=None) -> dict:
   t_start = time.perf_counter()
   if a.whole_cache_reads:  # read at trace time: set before any program is traced
     cache.CACHE_CHUNK_MIN_BYTES = sys.maxsize
+  if a.no_single_pass:
+    cache.SUMS_MAX_QUERIES = 0
   target, cfg_m, eos, quantiles, prompts, lens = markov_target(a, log)
   cfg = SamplingConfig(max_new_tokens=a.max_new, temperature=a.temperature, eos_ids=eos)
   rows = prompts.shape[0]

@@ -196,6 +196,31 @@ def test_cache_attention_in_chunks_equals_reading_the_whole_cache_and_reads_only
   assert np.isnan(np.asarray(attend_cache(q, k_nan, v_nan, mask, chunk=s))).any()
 
 
+@pytest.mark.parametrize("t", [1, 5, 9])
+def test_a_step_reaching_the_last_chunk_reads_the_cache_in_one_pass_with_the_same_result(
+    t, monkeypatch):
+  """A decode or verify step (at most `SUMS_MAX_QUERIES` queries per kv head: 2 and 10 here, 18
+  at t = 9 is more) whose furthest row is in the last chunk reads the buffers whole in one pass
+  of multiply-and-sum; otherwise it loops over the chunks. Both branches equal the whole read
+  (ragged rows, a row that sees no key), and so does the loop alone."""
+  from specjax.models import cache
+  from specjax.models.layers import attend_cache
+  b, s, h, hkv, dh = 4, 37, 4, 2, 8
+  q, k, v, _ = _cache_problem(11, b, s, t, h, hkv, dh)
+  for start in ([3, 33, 0, 9], [3, 17, 0, 9]):  # furthest row in the last chunk of 8, or not
+    qpos = jnp.asarray(start)[:, None] + jnp.arange(t)[None]
+    mask = (jnp.arange(s)[None, None, :] <= qpos[:, :, None]).at[2].set(False)
+    whole = attend_cache(q, k, v, mask, chunk=s)
+    attend = lambda *a: attend_cache(*a, chunk=8, min_bytes=0)  # (fresh: traces are cached)
+    np.testing.assert_allclose(jax.jit(attend)(q, k, v, mask), whole, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(jax.jit(attend)(q, k, v, mask)[2], 0.0)
+    assert ("cond[" in str(jax.make_jaxpr(attend)(q, k, v, mask))) == (t * h // hkv <= 16)
+  monkeypatch.setattr(cache, "SUMS_MAX_QUERIES", 0)
+  loop = lambda *a: attend_cache(*a, chunk=8, min_bytes=0)
+  assert "cond[" not in str(jax.make_jaxpr(loop)(q, k, v, mask))
+  np.testing.assert_allclose(jax.jit(loop)(q, k, v, mask), whole, atol=1e-5, rtol=1e-5)
+
+
 def _cache_problem(seed: int, b: int, s: int, t: int, h: int = 4, hkv: int = 2, dh: int = 8):
   """Random q [B, T, H, Dh], cache buffers k [B, Hkv, Dh, S] and v [B, Hkv, S, Dh] (`KVCache`
   layout), and output weights w [B, T, H, Dh] for a scalar loss."""

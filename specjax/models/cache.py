@@ -36,6 +36,12 @@ CACHE_CHUNK = 128
 # its scores take [B, H, QUERY_BLOCK, S] whatever the prompt's length (`layers.attend_cache`)
 QUERY_BLOCK = 256
 CACHE_CHUNK_MIN_BYTES = 256 * 1024
+# A chunked read (above) of at most this many queries per kv head (a decode or verify step)
+# whose furthest row is in the buffers' last chunk reads them whole in one pass, its products as
+# multiply-and-sum (`layers._attend_cache_whole`): on the 2-core CPU the loop's chunk copies and
+# XLA's batched matrix products over a few query rows cost more (docs/BENCHMARKS.md, "Attention
+# over the live part of the cache"). 0: always the loop
+SUMS_MAX_QUERIES = 16
 # Backends whose cached attention reads in chunks; elsewhere it reads whole. The loop's trip
 # count is dynamic, and on a GPU such a loop hands its condition back to the host at every
 # iteration, while a whole read runs at the device's bandwidth: on an H100 the chunked paged

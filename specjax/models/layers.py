@@ -100,7 +100,9 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   program serves every length and a step over short rows does not read the rest of the buffers.
   Key buffers under `min_bytes`, or of one chunk, are read whole (defaults: `CACHE_CHUNK` and
   `chunk_min_bytes()` in `specjax.models.cache`, read at trace time: off the CPU, every buffer
-  is read whole). Either way differentiable: a loop of dynamic length has no reverse mode, so
+  is read whole). A decode or verify step (at most `SUMS_MAX_QUERIES` queries per kv head) whose
+  furthest row is in the last chunk reads them whole in one pass instead, its products as
+  multiply-and-sum. Either way differentiable: a loop of dynamic length has no reverse mode, so
   the chunked read's gradient is the whole read's (EAGLE-3's training-time test attends over a
   cache).
 
@@ -126,14 +128,24 @@ def attend_cache(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *,
   return _attend_cache_chunked(q, k, v, mask, -(-s // n_max))  # chunks of equal width
 
 
-def _attend_cache_whole(q, k, v, mask):
+def _attend_cache_whole(q, k, v, mask, sums: bool = False):
+  """One read of the whole buffers. `sums`: both products as multiply-and-sum in float32; on
+  XLA's CPU backend a few queries per kv head read the buffers faster this way than through its
+  batched matrix products (`cache.SUMS_MAX_QUERIES`)."""
   b, t, h, dh = q.shape
   hkv = k.shape[1]
   q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
-  scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=jnp.float32)
-  probs = _attention_probs(scores, mask, dh, v.dtype)
+  f32 = jnp.float32
+  if sums:
+    scores = jnp.sum(q.astype(f32)[..., None] * k.astype(f32)[:, :, None, None], axis=-2)
+  else:
+    scores = jnp.einsum("bkgtd,bkds->bkgts", q, k, preferred_element_type=f32)
+  probs = _attention_probs(scores, mask, dh, f32 if sums else v.dtype)
   probs = jnp.where(jnp.any(mask, axis=-1)[:, None, None, :, None], probs, 0)
-  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
+  if sums:
+    out = jnp.sum(probs[..., None] * v.astype(f32)[:, :, None, None], axis=-2).astype(v.dtype)
+  else:
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v)
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
 
 
@@ -142,10 +154,21 @@ def _attend_cache_chunked(q, k, v, mask, c: int):
   b, t, h, dh = q.shape
   hkv, s = k.shape[1], k.shape[-1]
   n_max = -(-s // c)
-  q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
   pos = jnp.arange(s, dtype=jnp.int32)
   extent = jnp.max(jnp.where(mask, pos + 1, 0))
   n = jnp.clip((extent + c - 1) // c, 1, n_max)
+  if t * (h // hkv) <= cache_lib.SUMS_MAX_QUERIES:  # a decode or verify step
+    # a step whose furthest row is in the last chunk reads the buffers whole, in one pass
+    return jax.lax.cond(n == n_max, functools.partial(_attend_cache_whole, sums=True),
+                        functools.partial(_chunk_loop, c=c, n=n), q, k, v, mask)
+  return _chunk_loop(q, k, v, mask, c=c, n=n)
+
+
+def _chunk_loop(q, k, v, mask, *, c: int, n: jax.Array):
+  """Attention over the first `n` chunks of `c` positions, an online softmax over them."""
+  b, t, h, dh = q.shape
+  hkv, s = k.shape[1], k.shape[-1]
+  q = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
   scale = 1.0 / math.sqrt(dh)
 
   def body(i, carry):
