@@ -38,10 +38,12 @@ What each figure is:
   rows these calibrate the simulator's H100 factors (`simulate.py --calibrate --bench-only`).
 - reads: the plain loop's decode step (as in decode) at --reads-model and --reads-batches with
   the dense KV cache read whole (the default off the CPU) and read in chunks up to the live
-  extent (the CPU default, forced): a chunked read is a loop of dynamic length, whose condition
-  a GPU hands back to the host at every iteration. Beside each, the bare chain: one cached
-  forward of every row over the full cache plus its argmax, 8 in a loop of fixed length
-  (`specjax.sim.measure.time_forward`), so the step's cost beyond its forward shows.
+  extent (the CPU default, forced, as the loop at every step: without the CPU's one-pass read
+  of a step that reaches the last chunk, `cache.SUMS_MAX_QUERIES`): a chunked read is a loop of
+  dynamic length, whose condition a GPU hands back to the host at every iteration. Beside each,
+  the bare chain: one cached forward of every row over the full cache plus its argmax, 8 in a
+  loop of fixed length (`specjax.sim.measure.time_forward`), so the step's cost beyond its
+  forward shows.
 - speculative: the target's layers from --draft-layers on have zero output projections (as a
   grown policy's new layers do), so a draft model made of its first --draft-layers layers
   computes the target's distribution exactly and drafts are accepted (acceptance length close to
@@ -379,9 +381,11 @@ def reads_stage(a, bandwidth: float, results: dict) -> None:
   shape = a.reads_model
   model = build_target(shape, a.dtype, a.draft_layers, a.seed)
   graphdef, params = nnx.split(model)
-  saved = cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES, cache.CACHE_CHUNK
+  names = ("CHUNKED_READ_BACKENDS", "CACHE_CHUNK_MIN_BYTES", "CACHE_CHUNK", "SUMS_MAX_QUERIES")
+  saved = tuple(getattr(cache, n) for n in names)
   chunk = a.reads_chunk or saved[2]
-  modes = {"whole": ((), saved[1], saved[2]), "chunked": ((jax.default_backend(),), 0, chunk)}
+  # chunked: the loop at every step (the CPU's one-pass multiply-and-sum is not what is measured)
+  modes = {"whole": ((), *saved[1:]), "chunked": ((jax.default_backend(),), 0, chunk, 0)}
   size = a.prompt_len + a.new_tokens
   rows = []
   try:
@@ -389,9 +393,9 @@ def reads_stage(a, bandwidth: float, results: dict) -> None:
       if over_budget(a, f"reads batch {b}", results):
         break
       row = {"batch": b}
-      for mode, (backends, floor, width) in modes.items():
-        cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES, cache.CACHE_CHUNK = \
-            backends, floor, width
+      for mode, values in modes.items():
+        for n, value in zip(names, values):
+          setattr(cache, n, value)
         jax.clear_caches()  # the constants are read at trace time
         row[mode] = decode_row(a, model, graphdef, params, b, bandwidth)
         row[mode]["attention_loops"] = attention_loops(model, b, size)
@@ -407,7 +411,8 @@ def reads_stage(a, bandwidth: float, results: dict) -> None:
       results["reads"] = {"model": shape, "cache_chunk": chunk, "rows": rows}
       write(a, results)
   finally:
-    cache.CHUNKED_READ_BACKENDS, cache.CACHE_CHUNK_MIN_BYTES, cache.CACHE_CHUNK = saved
+    for n, value in zip(names, saved):
+      setattr(cache, n, value)
     jax.clear_caches()
   model = graphdef = params = None
   gc.collect()

@@ -38,8 +38,8 @@ QUERY_BLOCK = 256
 CACHE_CHUNK_MIN_BYTES = 256 * 1024
 # A chunked read (above) of at most this many queries per kv head (a decode or verify step)
 # whose furthest row is in the buffers' last chunk reads them whole in one pass, its products as
-# multiply-and-sum (`layers._attend_cache_whole`): on the 2-core CPU the loop's chunk copies and
-# XLA's batched matrix products over a few query rows cost more (docs/BENCHMARKS.md, "Attention
+# multiply-and-sum (`layers._attend_cache_whole`): on the 2-core CPU the speculative arm of a
+# GRPO queue ran 1.10-1.16x faster so, its AR arms within noise (docs/BENCHMARKS.md, "Attention
 # over the live part of the cache"). 0: always the loop
 SUMS_MAX_QUERIES = 16
 # Backends whose cached attention reads in chunks; elsewhere it reads whole. The loop's trip
