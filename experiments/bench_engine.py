@@ -344,26 +344,33 @@ def read_roof():
   return lambda: timed(lambda: jax.block_until_ready(f(x))), x.nbytes
 
 
-def matvec_roof(target, steps: int = 32):
-  """A bare chain of batch-1 matrix-vector products over the target's own weight matrices (each
-  reshaped to [in, out]) in a compiled loop: () -> seconds per pass, bytes. The speed XLA's CPU
-  kernels read these shapes at, with no attention, sampling or cache work. AR decode at batch 1
-  cannot beat it without other kernels or a fused weight layout."""
-  mats = [w.reshape(w.shape[0], -1) for w in jax.tree.leaves(nnx.state(target, nnx.Param))
-          if w.ndim >= 2]
+def weight_chain(params, rows: int = 1, steps: int = 32):
+  """A bare chain of `rows`-row products over every weight matrix in `params` (a model's
+  parameter state; each matrix reshaped to [in, out], the tied embedding among them) in a compiled
+  loop: () -> seconds per pass, bytes. The speed XLA's CPU kernels read these shapes at, with no
+  attention, sampling or cache work: a decode step of `rows` rows cannot beat it without other
+  kernels or another weight layout."""
+  mats = [w.reshape(w.shape[0], -1) for w in jax.tree.leaves(params)
+          if w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating)]
   width = max(m.shape[0] for m in mats)
 
   def chain(mats):
     def step(_, h):
       for m in mats:
-        h = h + 1e-6 * jnp.sum(h[: m.shape[0]] @ m)
+        h = h + 1e-6 * jnp.sum(h[:, : m.shape[0]] @ m, axis=1, keepdims=True)
       return h
-    return jax.lax.fori_loop(0, steps, step, jnp.ones((width,), jnp.float32))
+    return jax.lax.fori_loop(0, steps, step, jnp.ones((rows, width), jnp.float32))
 
   f = jax.jit(chain)
   jax.block_until_ready(f(mats))
   return (lambda: timed(lambda: jax.block_until_ready(f(mats))) / steps,
           sum(m.nbytes for m in mats))
+
+
+def matvec_roof(target, steps: int = 32):
+  """`weight_chain` at one row over the target's own weights: AR decode at batch 1 cannot beat it
+  without other kernels or a fused weight layout."""
+  return weight_chain(nnx.state(target, nnx.Param), 1, steps)
 
 
 def bandwidth_rounds(target, ar, weight_bytes: int, rounds: int) -> dict:

@@ -18,7 +18,11 @@ Measured, on the same prompts (fixed random token ids) for both:
      the engines' per-call overheads); best of --repeats after an untimed call per shape (specjax
      gets one cache size, prompt + N2, for both lengths, so a step costs the same in each). The
      greedy token ids of the N2 calls are compared row by row (near-ties in float32 may differ:
-     reported, never asserted).
+     reported, never asserted). Beside specjax's step, in its process: the bare chain of the same
+     rows' products over the same weights (`bench_engine.weight_chain`: every matrix, the tied
+     embedding as the LM head among them; no attention, sampling or cache work), best of
+     --repeats, and the decode loop's own seconds per step (its segments'); step / chain over 1
+     says what the step spends besides its weight products.
   2. an RL-shaped queue: P prompts x G samples at temperature 1, lengths long-tailed (a fixed-seed
      lognormal clipped to [4, max]: median 25% of max, p90 at max, p10 ~6%) given per request. vLLM gets each request's length as
      max_tokens with --slots running sequences at most (max_num_seqs) and schedules the queue
@@ -528,6 +532,7 @@ def specjax_side(a, path: str, fixed_prompts, q_prompts, q_lengths) -> dict:
   from flax import nnx
 
   sys.path.insert(0, REPO)
+  from bench_engine import weight_chain
   from specjax.models.hf import load_pretrained
   from specjax.sampling import EngineConfig, EngineTuning, SamplingConfig, generate
 
@@ -536,7 +541,8 @@ def specjax_side(a, path: str, fixed_prompts, q_prompts, q_lengths) -> dict:
   out = {"load_s": time.perf_counter() - t0, "engine": repr(EngineConfig())}
   tuning = EngineTuning()  # one for every call: calibrated costs carry over
 
-  def run(prompts, n: int, temperature: float, seed: int, cache_size: int | None = None):
+  def run(prompts, n: int, temperature: float, seed: int, cache_size: int | None = None,
+          loop: list | None = None):
     p = jnp.asarray(prompts, jnp.int32)
     lens = jnp.full((p.shape[0],), p.shape[1], jnp.int32)
     t = time.perf_counter()
@@ -544,25 +550,35 @@ def specjax_side(a, path: str, fixed_prompts, q_prompts, q_lengths) -> dict:
                  SamplingConfig(max_new_tokens=n, temperature=temperature), cache_size,
                  tuning=tuning)
     toks = np.asarray(r.tokens)
-    return time.perf_counter() - t, toks
+    dt = time.perf_counter() - t
+    if loop is not None:  # the decode loop alone: its segments' seconds per step
+      loop.append(sum(g.seconds for g in r.segments) / max(1, sum(g.iterations for g in r.segments)))
+    return dt, toks
 
   out["fixed"] = []
   # one cache size for both lengths: a step attends over the same cache in the N1 and N2 calls,
   # so their difference is steps alone
   cache = a.prompt_len + a.lengths[1]
   for b in a.batches:
-    row = {"batch": b, "times": {}}
+    row = {"batch": b, "times": {}, "loop_s_per_step": []}
     for n in a.lengths:
       t_warm, _ = run(fixed_prompts[:b], n, 0.0, a.seed, cache)  # compiles
       times = []
       for _ in range(a.repeats):
-        dt, toks = run(fixed_prompts[:b], n, 0.0, a.seed, cache)
+        dt, toks = run(fixed_prompts[:b], n, 0.0, a.seed, cache,
+                       row["loop_s_per_step"] if n == a.lengths[1] else None)
         times.append(dt)
       row["times"][str(n)] = {"warmup_s": t_warm, "timed_s": times}
       row["tokens"] = toks.tolist()
+    # beside the step, in the same process: the bare chain of b-row products over the same
+    # weights (bench_engine.weight_chain), best of --repeats
+    chain, chain_bytes = weight_chain(model[1], rows=b, steps=3)
+    row["chain_s"] = min(chain() for _ in range(a.repeats))
+    row["chain_gbytes"] = chain_bytes / 1e9
     out["fixed"].append(row)
     log(f"specjax batch {b}: " + ", ".join(
-        f"N={n} best {min(v['timed_s']):.3f} s" for n, v in row["times"].items()))
+        f"N={n} best {min(v['timed_s']):.3f} s" for n, v in row["times"].items())
+        + f"; weight-product chain {1e3 * row['chain_s']:.1f} ms")
 
   if q_prompts is not None:
     waves = [(i, min(i + a.slots, len(q_lengths))) for i in range(0, len(q_lengths), a.slots)]
@@ -622,13 +638,17 @@ def print_tables(s: dict) -> None:
   n1, n2 = s["args"]["lengths"]
   log(f"\n{s['shape']} ({s['params'] / 1e6:.1f}M parameters), float32; ms/step = (t{n2} - t{n1}) "
       f"/ {n2 - n1}, fixed = t{n1} - {n1} x step; best of {s['args']['repeats']}; "
-      "speed = vLLM ms/step / specjax ms/step (> 1: specjax faster)")
+      "speed = vLLM ms/step / specjax ms/step (> 1: specjax faster); chain = specjax's bare "
+      "chain of the same rows' products over the same weights (best of the same repeats), "
+      "step / chain = specjax ms/step over it")
   log(f"{'batch':>5} {'specjax ms/step':>16} {'vLLM ms/step':>13} {'speed':>7} "
+      f"{'chain ms':>9} {'step / chain':>13} "
       f"{'specjax fixed s':>16} {'vLLM fixed s':>13} {'greedy rows equal':>18}")
   for r in s["fixed"]:
     sj, vl, eq = r["specjax"], r["vllm"], r["greedy_equal"]
     log(f"{r['batch']:>5} {sj['ms_per_step']:>16.2f} {vl['ms_per_step']:>13.2f} "
-        f"{vl['ms_per_step'] / sj['ms_per_step']:>7.2f} {sj['fixed_s']:>16.3f} "
+        f"{vl['ms_per_step'] / sj['ms_per_step']:>7.2f} {sj['chain_ms']:>9.2f} "
+        f"{sj['ms_per_step'] / sj['chain_ms']:>13.2f} {sj['fixed_s']:>16.3f} "
         f"{vl['fixed_s']:>13.3f} {eq['rows_equal']:>12}/{eq['rows']}")
   for r in s["fixed"]:
     if r["greedy_equal"]["differing"]:
@@ -1099,7 +1119,9 @@ def main(argv=None) -> dict:
   for rs, rv in zip(sj["fixed"], vf["fixed"]):
     summary["fixed"].append({
         "batch": rs["batch"],
-        "specjax": dict(split_costs(rs["times"], a.lengths), times=rs["times"]),
+        "specjax": dict(split_costs(rs["times"], a.lengths), times=rs["times"],
+                        loop_ms_per_step=1e3 * min(rs["loop_s_per_step"]),
+                        chain_ms=1e3 * rs["chain_s"], chain_gbytes=rs["chain_gbytes"]),
         "vllm": dict(split_costs(rv["times"], a.lengths), times=rv["times"]),
         "greedy_equal": compare_tokens(rs["tokens"], rv["tokens"])})
   if vq is not None:
