@@ -552,7 +552,8 @@ def specjax_side(a, path: str, fixed_prompts, q_prompts, q_lengths) -> dict:
     toks = np.asarray(r.tokens)
     dt = time.perf_counter() - t
     if loop is not None:  # the decode loop alone: its segments' seconds per step
-      loop.append(sum(g.seconds for g in r.segments) / max(1, sum(g.iterations for g in r.segments)))
+      steps = max(1, sum(g.iterations for g in r.segments))
+      loop.append(sum(g.seconds for g in r.segments) / steps)
     return dt, toks
 
   out["fixed"] = []
