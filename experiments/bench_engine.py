@@ -345,19 +345,24 @@ def read_roof():
 
 
 def weight_chain(params, rows: int = 1, steps: int = 32):
-  """A bare chain of `rows`-row products over every weight matrix in `params` (a model's
-  parameter state; each matrix reshaped to [in, out], the tied embedding among them) in a compiled
-  loop: () -> seconds per pass, bytes. The speed XLA's CPU kernels read these shapes at, with no
-  attention, sampling or cache work: a decode step of `rows` rows cannot beat it without other
-  kernels or another weight layout."""
-  mats = [w.reshape(w.shape[0], -1) for w in jax.tree.leaves(params)
+  """A bare chain of `rows`-row products over every weight matrix in `params` (a decoder's
+  parameter state) in a compiled loop: () -> seconds per pass, bytes. Each matrix is read as the
+  decoder multiplies by it (`_as_product`): the tied embedding as the LM head, o_proj's heads and
+  head dim as its input, every other matrix's first axis as its input. The speed XLA's CPU
+  kernels read these shapes at, with no attention, sampling or cache work: a decode step of
+  `rows` rows cannot beat it without other kernels or another weight layout."""
+  mats = [_as_product(jax.tree_util.keystr(path), w)
+          for path, w in jax.tree_util.tree_leaves_with_path(params)
           if w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating)]
-  width = max(m.shape[0] for m in mats)
+  flags = [t for _, t in mats]  # True: [out, in], contracted over its second axis
+  mats = [m for m, _ in mats]
+  width = max(m.shape[1 if t else 0] for m, t in zip(mats, flags))
 
   def chain(mats):
     def step(_, h):
-      for m in mats:
-        h = h + 1e-6 * jnp.sum(h[:, : m.shape[0]] @ m, axis=1, keepdims=True)
+      for m, t in zip(mats, flags):
+        y = jnp.einsum("ri,oi->ro" if t else "ri,io->ro", h[:, : m.shape[1 if t else 0]], m)
+        h = h + 1e-6 * jnp.sum(y, axis=1, keepdims=True)
       return h
     return jax.lax.fori_loop(0, steps, step, jnp.ones((rows, width), jnp.float32))
 
@@ -365,6 +370,17 @@ def weight_chain(params, rows: int = 1, steps: int = 32):
   jax.block_until_ready(f(mats))
   return (lambda: timed(lambda: jax.block_until_ready(f(mats))) / steps,
           sum(m.nbytes for m in mats))
+
+
+def _as_product(path: str, w) -> tuple:
+  """(matrix, transposed) for a decoder weight at `path`: the embedding [V, D] is read as the
+  tied LM head (h E^T: transposed), o_proj [H, Dh, D] as [H * Dh, D], the rest as [first axis,
+  the others]."""
+  if "embed" in path:
+    return w.reshape(w.shape[0], -1), True
+  if "o_proj" in path:
+    return w.reshape(-1, w.shape[-1]), False
+  return w.reshape(w.shape[0], -1), False
 
 
 def matvec_roof(target, steps: int = 32):
