@@ -347,13 +347,17 @@ def read_roof():
 def weight_chain(params, rows: int = 1, steps: int = 32):
   """A bare chain of `rows`-row products over every weight matrix in `params` (a decoder's
   parameter state) in a compiled loop: () -> seconds per pass, bytes. Each matrix is read as the
-  decoder multiplies by it (`_as_product`): the tied embedding as the LM head, o_proj's heads and
-  head dim as its input, every other matrix's first axis as its input. The speed XLA's CPU
+  decoder multiplies by it (`_as_product`): the tied embedding as the LM head (an untied one is
+  left out: a step gathers its rows), o_proj's heads and head dim as its input, every other
+  matrix's first axis as its input. The speed XLA's CPU
   kernels read these shapes at, with no attention, sampling or cache work: a decode step of
   `rows` rows cannot beat it without other kernels or another weight layout."""
-  mats = [_as_product(jax.tree_util.keystr(path), w)
-          for path, w in jax.tree_util.tree_leaves_with_path(params)
-          if w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating)]
+  leaves = [(jax.tree_util.keystr(path), w)
+            for path, w in jax.tree_util.tree_leaves_with_path(params)
+            if w.ndim >= 2 and jnp.issubdtype(w.dtype, jnp.floating)]
+  tied = not any("lm_head" in path for path, _ in leaves)
+  # an untied embedding is gathered (a few rows per step), not multiplied by
+  mats = [_as_product(path, w) for path, w in leaves if tied or "embed" not in path]
   flags = [t for _, t in mats]  # True: [out, in], contracted over its second axis
   mats = [m for m, _ in mats]
   width = max(m.shape[1 if t else 0] for m, t in zip(mats, flags))

@@ -214,3 +214,23 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   assert "acceptance_length" in queue["arms"]["paged_spec"]
   assert queue["arms"]["paged_spec"]["pages_in_use_max"] > 0
   assert "skipped" not in data
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_chain_reads_each_matrix_a_decode_step_multiplies_by_once(tied):
+  """The bare chain beside the decode step (peer_vllm, bench_engine's roof) reads what a step
+  multiplies by: every weight matrix, the tied embedding as the LM head; an untied embedding is
+  only gathered, so it is left out."""
+  import bench_engine
+  import jax
+  from flax import nnx
+
+  from specjax.models import Decoder, ModelConfig
+
+  model = Decoder(ModelConfig(tie_embeddings=tied), rngs=nnx.Rngs(0))
+  params = nnx.state(model, nnx.Param)
+  mats = {jax.tree_util.keystr(p): w
+          for p, w in jax.tree_util.tree_leaves_with_path(params) if w.ndim >= 2}
+  expected = sum(w.nbytes for k, w in mats.items() if tied or "embed" not in k)
+  per_pass, nbytes = bench_engine.weight_chain(params, rows=3, steps=2)
+  assert nbytes == expected and per_pass() > 0
