@@ -349,31 +349,41 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
   assert len(paths) > 1, paths  # the rollouts did take different paths
 
 
-def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target, caplog):
+@pytest.mark.parametrize("draft_lens,ks,label", [((), (0, 1, 2, 3), "0-3"),
+                                                  ((2,), (0, 2, 3), "0/2/3")],
+                         ids=["every-K", "K-ladder"])
+def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target, caplog,
+                                                                         draft_lens, ks, label):
   """Adaptive K with `compile_ahead`: the first rollout compiles each bucket's segment at every
-  K in 0..max (the timed ones and those between), so a later rollout that picks another K
-  compiles nothing. The preparation is logged once (a user waiting on a first rollout sees what
-  it compiles and how long it took), later rollouts log nothing."""
+  K it may choose (0..max, or 0, `draft_lens` and the largest), so a later rollout that picks
+  another K compiles nothing, and no segment runs a K outside the choices. The preparation is
+  logged once (a user waiting on a first rollout sees what it compiles and how long it took),
+  later rollouts log nothing."""
   caplog.set_level(logging.INFO, logger="specjax.sampling.engine")
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   jax.clear_caches()
   tuning = EngineTuning()
-  engine = EngineConfig(compile_ahead=True)
+  engine = EngineConfig(compile_ahead=True, draft_lens=draft_lens)
   run = lambda i: speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), PROMPTS,
                                        PROMPT_LENGTHS, jax.random.key(i), sampled,
                                        engine=engine, tuning=tuning)
-  start = eng.compiled_programs()
   out = run(0)
-  buckets = {s.bucket for s in out.segments}
-  assert eng.compiled_programs() - start >= len(buckets) * 4  # K = 0, 1, 2, 3 per bucket
   (line,) = [r.getMessage() for r in caplog.records if r.name == "specjax.sampling.engine"]
-  assert re.fullmatch(r"\[engine\] buckets \d+(/\d+)* at K 0-3: \d+ programs? compiled in [\d.]+ s"
-                      r"(, step costs measured in [\d.]+ s)?", line), line
+  m = re.fullmatch(r"\[engine\] buckets (\d+(?:/\d+)*) at K (\S+): (\d+) programs? compiled "
+                   r"in [\d.]+ s(, step costs measured in [\d.]+ s)?", line)
+  assert m and m.group(2) == label, line
+  # a segment program per bucket and K choice (none at another K), compaction's per smaller bucket
+  buckets = len(m.group(1).split("/"))
+  assert int(m.group(3)) == buckets * len(ks) + buckets - 1, line
   caplog.clear()
   before = eng.compiled_programs()
+  used = {s.draft_len for s in out.segments}
   for i in range(1, 4):
-    jax.block_until_ready(run(i).tokens)
+    later = run(i)
+    jax.block_until_ready(later.tokens)
+    used |= {s.draft_len for s in later.segments}
   assert eng.compiled_programs() == before
+  assert used <= set(ks) and used - {0}, used
   assert not [r for r in caplog.records if r.name == "specjax.sampling.engine"]
 
 

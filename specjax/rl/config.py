@@ -27,6 +27,7 @@ class DraftConfig:
   draft_len: int = 3  # K, tokens proposed per speculative step (adaptive: the largest K)
   adaptive: bool = _ENGINE.adaptive  # the engine picks K in 0..max_draft_len per live-batch bucket
   max_draft_len: int = _ENGINE.max_draft_len  # adaptive: largest K; 0 -> draft_len
+  draft_lens: tuple[int, ...] = _ENGINE.draft_lens  # adaptive: the K between (empty: all of them)
   # candidates verified per depth: 1 a chain; W > 1 a draft tree, the drafter's W - 1 next most
   # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense caches)
   tree_width: int = 1

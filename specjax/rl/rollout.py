@@ -57,7 +57,8 @@ def engine_config(cfg: RLConfig, kv_cache_gb: float | None = None) -> EngineConf
                       compaction=r.compaction, min_bucket=r.min_bucket,
                       window_block=r.window_block, compile_ahead=r.compile_ahead,
                       adaptive=d.adaptive,
-                      max_draft_len=d.max_draft_len, cost_memory=r.cost_memory,
+                      max_draft_len=d.max_draft_len, draft_lens=d.draft_lens,
+                      cost_memory=r.cost_memory,
                       recheck_cached_costs=r.recheck_cached_costs)
 
 

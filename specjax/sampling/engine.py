@@ -200,8 +200,8 @@ def compiled_programs() -> int:
 
 class _Run:
   """One call of the engine: the host loop over segments. `drafter.draft_len` is the largest K
-  (resolved by `speculative_generate`); with `engine.adaptive` K is chosen in 0..that per
-  segment."""
+  (resolved by `speculative_generate`); with `engine.adaptive` K is chosen per segment among
+  `EngineConfig.k_choices` of it."""
 
   def __init__(self, graphdef, params, drafter, drafter_params, cfg: SamplingConfig,
                cache_size: int, engine: EngineConfig, mesh, tuning: EngineTuning):
@@ -215,7 +215,7 @@ class _Run:
       self.k_max, k_choices = 0, (0,)
     else:
       self.k_max = drafter.draft_len
-      k_choices = tuple(range(self.k_max + 1)) if engine.adaptive else (self.k_max,)
+      k_choices = engine.k_choices(self.k_max) if engine.adaptive else (self.k_max,)
     # the tree widths a segment may verify: the drafter's; adaptive, also the plain chain (1)
     tree = 1 if drafter is None else drafter.tree_width
     self.widths = (1, tree) if engine.adaptive and tree > 1 else (tree,)
@@ -378,7 +378,8 @@ class _Run:
     # (progress for a user waiting on a first rollout: compiled programs found in a cache are
     # counted too)
     timed = time.perf_counter() - t0 - compiled
-    k_range = f"{min(ks)}-{max(ks)}" if len(ks) > 1 else f"{ks[0]}"
+    contiguous = list(ks) == list(range(min(ks), max(ks) + 1))
+    k_range = f"{min(ks)}-{max(ks)}" if len(ks) > 1 and contiguous else "/".join(map(str, ks))
     logger.info(f"[engine] buckets {'/'.join(map(str, buckets))} at K {k_range}: "
                 f"{len(jobs)} program{'s' * (len(jobs) != 1)} compiled in {compiled:.1f} s" +
                 (f", step costs measured in {timed:.1f} s" if timed >= 0.05 else ""))

@@ -44,6 +44,10 @@ class EngineConfig:
   window_block: int = 0
   adaptive: bool = True  # choose K per bucket (else the drafter's draft_len throughout)
   max_draft_len: int = 0  # largest K adaptivity may pick; 0: the drafter's draft_len
+  # adaptive: the K below the largest it may pick besides 0 (empty: every one). Each K is a
+  # program per bucket to compile (compile_ahead: all of them before the first rollout), so a
+  # large K with few steps between, e.g. (2, 4) below 7, compiles half of 0..7's programs
+  draft_lens: tuple[int, ...] = ()
   probe_iters: int = 4  # adaptive: steps of a drafting segment while the evidence is thin ...
   probe_drafts: float = 16.0  # ... i.e. fewer drafts than this behind the estimate (decayed count)
   first_segment_iters: int = 32  # adaptive: steps before a bucket's first re-decision ...
@@ -103,6 +107,8 @@ class EngineConfig:
     check(self.max_buckets >= 1, "max_buckets", f"must be >= 1, got {self.max_buckets}")
     check(self.window_block >= 0, "window_block", f"must be >= 0, got {self.window_block}")
     check(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
+    check(all(k >= 1 for k in self.draft_lens), "draft_lens",
+          f"must be K >= 1 (0 and the largest K are always choices), got {self.draft_lens}")
     check(self.probe_iters >= 1, "probe_iters", f"must be >= 1, got {self.probe_iters}")
     check(self.probe_drafts >= 0, "probe_drafts", f"must be >= 0, got {self.probe_drafts}")
     check(self.first_segment_iters >= 1, "first_segment_iters",
@@ -126,6 +132,13 @@ class EngineConfig:
           f"must be in (0, 1), got {self.prior_acceptance}")
     check(self.prior_weight > 0, "prior_weight", f"must be > 0, got {self.prior_weight}")
     check(self.min_gain >= 0, "min_gain", f"must be >= 0, got {self.min_gain}")
+
+  def k_choices(self, k_max: int) -> tuple[int, ...]:
+    """The K adaptivity chooses from when the largest is k_max: 0, `draft_lens` below k_max
+    (empty: every K), and k_max."""
+    if not self.draft_lens:
+      return tuple(range(k_max + 1))
+    return tuple(sorted({0, k_max, *(k for k in self.draft_lens if k < k_max)}))
 
 
 STATIC = EngineConfig(compaction=False, window_block=0, adaptive=False)
