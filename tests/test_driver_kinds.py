@@ -102,6 +102,25 @@ def test_rl_zero_runs_draft_model_and_mtp_on_the_embedded_default(kind, tmp_path
   assert os.path.isfile(tmp_path / "rl_zero" / "summary.json")
 
 
+def test_a_dataset_is_visited_whole_not_through_the_embedded_tasks_prompt_pool():
+  """The main job revisits a pool of the embedded task's prompts; --dataset takes the whole
+  dataset, epoch after epoch, while a pool stays one flag away on the task itself."""
+  from specjax.jobs.config import parse_config
+  from specjax.jobs.driver import build_task, resolve_dataset
+
+  assert rl_zero.DEFAULTS.rl.task.pool_size > 0
+  cfg = resolve_dataset(parse_config(rl_zero.DEFAULTS, ["--dataset", GSM8K]))
+  assert (cfg.rl.task.name, cfg.rl.task.path, cfg.rl.task.pool_size) == ("math", GSM8K, 0)
+  tokenizer = load_tokenizer(QWEN3)
+  task = build_task(cfg, tokenizer)
+  prompts = [e.prompt for e in task.train_examples(0, 4)]
+  assert len(set(prompts)) == 4, prompts  # the file's rows in turn, not a pool's
+  pooled = parse_config(rl_zero.DEFAULTS, ["--rl.task.name", "math", "--rl.task.path", GSM8K,
+                                           "--rl.task.pool-size", "2"])
+  pool = build_task(pooled, tokenizer)
+  assert len({e.prompt for e in pool.train_examples(0, 4)}) == 2
+
+
 def test_bad_paths_are_errors_that_name_the_field(tmp_path):
   with pytest.raises(FileNotFoundError, match="DraftConfig.path"):
     rl_zero.main(["--model-path", QWEN3, "--dataset", GSM8K, "--rl.draft.kind", "eagle3",

@@ -95,7 +95,10 @@ class ExperimentConfig:
   #                      rebuild the cached base policy and draft head
   resume: bool = False  # continue both runs from their own last checkpoints
   model_path: str = ""  # a local Hugging Face checkpoint (skips base pretraining)
-  dataset: str = ""  # a local math set (GSM8K or DAPO rows): JSON/JSONL/parquet or a datasets dir
+  # a local math set (GSM8K or DAPO rows): JSON/JSONL/parquet or a datasets dir, visited whole
+  # epoch after epoch (the embedded task's prompt pool does not carry over; `--rl.task.name math
+  # --rl.task.path FILE --rl.task.pool-size N` revisits its first N prompts instead)
+  dataset: str = ""
   # the tokenizer's chat template: "" (the checkpoint's own; an error if it has none), "none"
   # (plain "User: ..." prompts), a .jinja/.json file, or a jinja string
   chat_template: str = ""

@@ -38,14 +38,20 @@ def build_tokenizer(cfg: ExperimentConfig):
   return CharTokenizer()
 
 
+def resolve_dataset(cfg: ExperimentConfig) -> ExperimentConfig:
+  """`cfg` with --dataset as its RL task: the math task on the whole dataset, epoch after epoch
+  (the embedded task's prompt pool does not carry over: ExperimentConfig.dataset)."""
+  if not cfg.dataset:
+    return cfg
+  task = dataclasses.replace(cfg.rl.task, name="math", path=cfg.dataset, pool_size=0)
+  return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, task=task))
+
+
 def build_task(cfg: ExperimentConfig, tokenizer):
   """--rl.task, or the math task on --dataset."""
   from specjax.rl.tasks import make_task
 
-  task_cfg = cfg.rl.task
-  if cfg.dataset:
-    task_cfg = dataclasses.replace(task_cfg, name="math", path=cfg.dataset)
-  return make_task(task_cfg, tokenizer)
+  return make_task(resolve_dataset(cfg).rl.task, tokenizer)
 
 
 def export_outputs(cfg: ExperimentConfig, rl_cfg: RLConfig, policy_graphdef, state,
@@ -85,6 +91,7 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   from specjax.jobs.report import write_report
 
   t_start = time.perf_counter()
+  cfg = resolve_dataset(cfg)
   out = os.path.join(cfg.out_dir, cfg.name)
   check_flags(cfg)
   claim_run_dir(out, resume=cfg.resume, fresh=cfg.fresh)
