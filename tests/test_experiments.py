@@ -234,3 +234,19 @@ def test_weight_chain_reads_each_matrix_a_decode_step_multiplies_by_once(tied):
   expected = sum(w.nbytes for k, w in mats.items() if tied or "embed" not in k)
   per_pass, nbytes = bench_engine.weight_chain(params, rows=3, steps=2)
   assert nbytes == expected and per_pass() > 0
+
+
+def test_a_report_whose_arms_differ_points_to_the_comparison_over_seeds():
+  """One RL seed per arm can end apart by chance: the report's agreement line says so when the
+  test rejects, and stays short when it does not."""
+  from specjax.jobs.report import format_table
+
+  def summary(agree):
+    return {"runs": {}, "agreement_test": {"test": "two-proportion z-test", "p_value": 0.5 if
+                                           agree else 0.007, "agree_within_noise": agree,
+                                           "alpha": 0.05}}
+
+  (differ,) = format_table(summary(False)).splitlines()[1:]
+  assert "DIFFER at alpha 0.05" in differ and "rl_zero_seeds.py" in differ, differ
+  (agree,) = format_table(summary(True)).splitlines()[1:]
+  assert agree.endswith("(agree at alpha 0.05)"), agree

@@ -291,6 +291,10 @@ def format_table(summary: dict[str, Any]) -> str:
                  f"step {proj['step_speedup']:.2f}x")
   if "agreement_test" in summary:
     t = summary["agreement_test"]
+    seeds = "" if t["agree_within_noise"] else \
+        "; one RL seed per arm, and RL runs differ by seed: experiments/rl_zero_seeds.py " \
+        "compares the arms over seeds"
     lines.append(f"AR vs spec final accuracy: {t['test']}, p = {t['p_value']:.3f} "
-                 f"({'agree' if t['agree_within_noise'] else 'DIFFER'} at alpha {t['alpha']})")
+                 f"({'agree' if t['agree_within_noise'] else 'DIFFER'} at alpha {t['alpha']}"
+                 f"{seeds})")
   return "\n".join(lines)
