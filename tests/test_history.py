@@ -2,7 +2,9 @@
 its caps; the device finds a row's entries by the prompt's hash; drafts continue the aligned
 occurrence; the speculative loop keeps the target's output (greedy: token for token, through the
 queue and compaction; temperature 1: in distribution, with a stale history and an inner drafter
-whose own drafts carry probabilities; the queue tests' target, prompts and two-sample checks)."""
+whose own drafts carry probabilities, and with drafts drawn from the history's counts, whose
+spread q the verifier's residual corrects; the queue tests' target, prompts and two-sample
+checks)."""
 
 import dataclasses
 
@@ -16,9 +18,13 @@ from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
 from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
                               history_lookup, prompt_key, prompt_keys, truncated_copy)
 from specjax.models import Decoder
+from specjax.models.decoder import DecoderOutput
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, Sequences, generate,
-                              speculative_generate)
+                              segment, speculative_generate)
+from specjax.sampling.drafter import TargetStep
 from specjax.sampling.metrics import AcceptanceMetrics
+from specjax.sampling.processing import process_logits
+from specjax.sampling.rejection import verify
 
 _rng = np.random.default_rng(11)
 PROMPTS = jnp.asarray(_rng.integers(3, 32, (12, 6)), jnp.int32)
@@ -185,3 +191,64 @@ def test_temperature_one_hybrid_drafts_keep_the_targets_distribution(target):
                              engine=dataclasses.replace(STATIC, adaptive=False))
   assert AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens > ROWS // 4
   assert_same_distribution(plain, out, "hybrid")
+
+
+def _prefill_step(prompts, lengths) -> TargetStep:
+  """What a drafter observes of the prefill (prompt logits are not computed)."""
+  empty = jnp.zeros(prompts.shape + (0,), jnp.float32)
+  return TargetStep(input_tokens=prompts, next_tokens=prompts, start=jnp.zeros_like(lengths),
+                    num_new=lengths, out=DecoderOutput(logits=None, hidden=empty,
+                                                       aux_hidden=empty))
+
+
+def _without_residual(key, target_logits, draft_tokens, draft_probs, **setting):
+  """A BROKEN verifier for this test only: the same acceptance, but after a rejection it samples
+  the target's p instead of normalize(max(0, p - q))."""
+  k_verify, k_fresh = jax.random.split(key)
+  res = verify(k_verify, target_logits, draft_tokens, draft_probs, **setting)
+  fresh = jax.random.categorical(k_fresh, process_logits(target_logits, **setting), axis=-1)
+  k = draft_tokens.shape[1]
+  rejected_at = ((jnp.arange(k + 1) == res.num_accepted[:, None])
+                 & (res.num_accepted < k)[:, None])
+  return res.replace(tokens=jnp.where(rejected_at, fresh, res.tokens))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["verifier", "broken-residual"])
+def test_temperature_one_sampled_history_drafts_keep_the_targets_distribution(target, broken,
+                                                                               monkeypatch):
+  """Entries that disagree (each prompt's four completions drawn from four tokens, none of them
+  the target's): drafts drawn from their counts carry a spread q, which the verifier's residual
+  must correct. The rollouts agree in distribution with the plain loop's; with the residual
+  replaced by p (a broken verifier) the same check fails."""
+  prompts, lengths = stat_prompts()
+  plain = generate(target, prompts, lengths, jax.random.key(10), SAMPLE, engine=STATIC)
+  store = HistoryStore(max_prompts=4, per_prompt=4, width=12, tail=2)
+  rng = np.random.default_rng(3)
+  completions = rng.choice(np.array([3, 7, 9, 12]), size=(8, 6))
+  store.record(*jax.device_get((prompts[:8], lengths[:8])), completions, np.full(8, 6))
+  assert store.prompts == 2
+  drafter = HistoryDrafter(draft_len=3, n=2, min_match=1, sampled=True,
+                           vocab_size=CFG.vocab_size)
+  params = HistoryParams(table=store.table())
+  seq = Sequences(tokens=jnp.pad(prompts[:2], ((0, 0), (0, 8))), lengths=lengths[:2],
+                  prompt_lengths=lengths[:2])
+  state = drafter.observe(params, drafter.init(params, 2, 16), _prefill_step(prompts[:2],
+                                                                             lengths[:2]))
+  _, q, _ = drafter.propose(params, state, seq, jax.random.key(0))
+  assert np.all(np.asarray(jnp.max(q[:, 0], axis=-1)) < 1.0)  # the first drafts' q is spread
+  engine = dataclasses.replace(STATIC, adaptive=False)
+  if broken:
+    monkeypatch.setattr(segment, "verify", _without_residual)
+    jax.clear_caches()  # the segment programs are traced again with it ...
+  try:
+    out = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(21),
+                               SAMPLE, engine=engine)
+  finally:
+    if broken:
+      jax.clear_caches()  # ... and no later test finds them compiled
+  assert AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens > ROWS // 8
+  if broken:
+    with pytest.raises(AssertionError, match="two samples differ"):
+      assert_same_distribution(plain, out, "sampled history, broken residual")
+  else:
+    assert_same_distribution(plain, out, "sampled history")

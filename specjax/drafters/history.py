@@ -8,10 +8,12 @@ them), and drafts the continuation of the row's last n tokens in them, the occur
 row's own position first. Where the history has no match the drafter falls back to its `inner`
 drafter (an EAGLE-3 head, a draft model) or, without one, to n-gram lookup in the row itself.
 
-Drafts from the history are deterministic (a one-hot draft distribution), and whether a row
-takes them depends only on committed tokens and the table: the verifier accepts each with
-probability p(x), so the output keeps the target's distribution whatever the history holds (a
-hash collision or a stale answer costs acceptance, never correctness).
+Drafts from the history are deterministic (a one-hot draft distribution), or with `sampled`
+drawn from the counts of what followed the row's context there (a draft distribution q, accepted
+with probability min(1, p(x) / q(x)) and corrected by the verifier's residual). Either way the
+draft and q depend only on committed tokens, the drafts before it and the table, so the output
+keeps the target's distribution whatever the history holds (a hash collision or a stale answer
+costs acceptance, never correctness).
 """
 
 from __future__ import annotations
@@ -214,16 +216,64 @@ def history_lookup(seq: Sequences, hist: jax.Array, hist_len: jax.Array, draft_l
   return drafts, matched
 
 
+def history_sample(seq: Sequences, hist: jax.Array, hist_len: jax.Array, fallback: jax.Array,
+                   n: int, min_n: int, vocab: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(int32[B, K] drafts, float32[B, K, vocab] q): draft i drawn from q_i, the counts of the
+  tokens that follow the context's last n' tokens (n' = n down to min_n, the longest that has a
+  continuation) at every occurrence in the row's history entries hist [B, H, W], normalised;
+  the context is the row's committed tokens, then drafts 0 .. i - 1. Where nothing follows, q_i is
+  one-hot on `fallback[:, i]` (e.g. `history_lookup`'s drafts). q_i depends only on the committed
+  tokens, the drafts before i and the table, so the verifier's residual keeps the target's
+  distribution (`rejection.verify`)."""
+  tokens, lengths = seq.tokens, seq.lengths
+  batch, k = fallback.shape
+  _, h, w = hist.shape
+  idx = jnp.maximum(lengths[:, None] - n + jnp.arange(n)[None, :], 0)
+  ctx = jnp.concatenate([jnp.take_along_axis(tokens, idx, axis=1),
+                         jnp.zeros((batch, k), jnp.int32)], axis=1)  # last n committed, drafts
+  rows = jnp.broadcast_to(jnp.arange(batch)[:, None, None], (batch, h, w))
+  entries = jnp.arange(h)[None, :, None]
+  t = jnp.arange(w)[None, None, :]
+  # the token after an occurrence of m tokens at t (`_windows_match` admits t + m < length only)
+  following = {m: hist[rows, entries, jnp.minimum(t + m, w - 1)] for m in range(min_n, n + 1)}
+
+  def draft(ctx, xs):
+    i, step_key = xs
+    counts = jnp.zeros((batch, vocab), jnp.float32)
+    for m in range(min_n, n + 1):  # a longer context's counts replace a shorter one's
+      suffix = jax.lax.dynamic_slice_in_dim(ctx, n + i - m, m, axis=1)
+      match = _windows_match(hist, hist_len, suffix) & (lengths + i >= m)[:, None, None]
+      c = jnp.zeros((batch, vocab), jnp.float32).at[rows, following[m]].add(
+          match.astype(jnp.float32))
+      counts = jnp.where(jnp.sum(c, axis=1, keepdims=True) > 0, c, counts)
+    total = jnp.sum(counts, axis=1, keepdims=True)
+    fixed = jax.nn.one_hot(jax.lax.dynamic_index_in_dim(fallback, i, axis=1, keepdims=False),
+                           vocab, dtype=jnp.float32)
+    q = jnp.where(total > 0, counts / jnp.maximum(total, 1.0), fixed)
+    x = jax.random.categorical(step_key, jnp.log(q), axis=-1).astype(jnp.int32)
+    ctx = jax.lax.dynamic_update_slice_in_dim(ctx, x[:, None], n + i, axis=1)
+    return ctx, (x, q)
+
+  _, (drafts, q) = jax.lax.scan(draft, ctx, (jnp.arange(k), jax.random.split(key, k)))
+  return jnp.swapaxes(drafts, 0, 1), jnp.swapaxes(q, 0, 1)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HistoryDrafter(Drafter):
   """Drafts from the row's prompt's earlier completions (`HistoryParams.table`), where its last
   `min_match`+ tokens occur there; elsewhere from `inner` (None: n-gram lookup in the row's own
-  context, `n` down to `min_n` tokens). Params: `HistoryParams(table, inner params)`."""
+  context, `n` down to `min_n` tokens). Params: `HistoryParams(table, inner params)`.
+
+  `sampled` (at a temperature > 0; needs `vocab_size`): each history draft is drawn from the
+  counts of what followed its context in the entries (`history_sample`), a draft distribution q
+  that the verifier's residual corrects, so where earlier completions disagree the draft covers
+  them in proportion; else the occurrence nearest the row's position (q one-hot)."""
 
   n: int = 3
   min_n: int = 1
   min_match: int = 1  # history drafts need a match of at least this many tokens
   inner: Drafter | None = None
+  sampled: bool = False
 
   def __post_init__(self):
     name = type(self).__name__
@@ -232,6 +282,8 @@ class HistoryDrafter(Drafter):
           f"must be in [1, n={self.n}], got {self.min_n}")
     check(self.min_n <= self.min_match <= self.n, f"{name}.min_match",
           f"must be in [min_n={self.min_n}, n={self.n}], got {self.min_match}")
+    check(not self.sampled or self.vocab_size, f"{name}.vocab_size",
+          "sampled history drafts need the vocabulary size (their draft distribution's width)")
 
   def _inner(self) -> Drafter | None:
     if self.inner is None:
@@ -274,6 +326,11 @@ class HistoryDrafter(Drafter):
     hist, matched = history_lookup(seq, state.tokens, state.lengths, self.draft_len, self.n,
                                    self.min_n, params.table.tail)
     use = matched >= self.min_match
+    q = None
+    if self.sampled and self.temperature > 0:  # (greedy: the nearest occurrence's tokens)
+      key, sample_key = jax.random.split(key)
+      hist, q = history_sample(seq, state.tokens, state.lengths, hist, self.n, self.min_n,
+                               self.vocab_size, sample_key)
     inner = self._inner()
     if inner is None:
       other, probs, inner_state = lookup(seq, self.draft_len, self.n, self.min_n, 1), None, ()
@@ -287,7 +344,10 @@ class HistoryDrafter(Drafter):
                       state.inner)
       other, probs, inner_state = jax.lax.cond(jnp.all(use), skip, run_inner)
     drafts = jnp.where(use[:, None], hist, other)
-    if probs is not None:  # a history draft is deterministic: its draft distribution is one-hot
+    if q is not None:  # sampled history drafts: q, and the other rows' own (one-hot if none)
+      other_q = jax.nn.one_hot(other, q.shape[-1], dtype=q.dtype) if probs is None else probs
+      probs = jnp.where(use[:, None, None], q, other_q.astype(q.dtype))
+    elif probs is not None:  # a history draft is deterministic: its draft distribution is one-hot
       one_hot = jax.nn.one_hot(hist, probs.shape[-1], dtype=probs.dtype)
       probs = jnp.where(use[:, None, None], one_hot, probs)
     return drafts, probs, state.replace(inner=inner_state)
@@ -299,7 +359,7 @@ def history_drafter(draft_cfg, **kwargs) -> HistoryDrafter:
   d = draft_cfg
   return HistoryDrafter(draft_len=d.draft_len, n=d.ngram_max, min_n=d.ngram_min,
                         min_match=max(d.ngram_min, min(d.history_min_match, d.ngram_max)),
-                        **kwargs)
+                        sampled=d.history_sampled, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +370,7 @@ class HistoryMethod(DraftMethodBase):
   name: ClassVar[str] = "history"
 
   def build_drafter(self, draft_cfg, *, policy_graphdef, policy_cfg, draft, group_size):
-    return history_drafter(draft_cfg), None
+    return history_drafter(draft_cfg, vocab_size=policy_cfg.vocab_size), None
 
 
 @dataclasses.dataclass(frozen=True)
