@@ -9,7 +9,7 @@ row's own position first. Where the history has no match the drafter falls back 
 drafter (an EAGLE-3 head, a draft model) or, without one, to n-gram lookup in the row itself.
 
 Drafts from the history are deterministic (a one-hot draft distribution), or with `sampled`
-drawn from the counts of what followed the row's context there (a draft distribution q, accepted
+drawn from the entries' votes for what follows the row's context (a draft distribution q, accepted
 with probability min(1, p(x) / q(x)) and corrected by the verifier's residual). Either way the
 draft and q depend only on committed tokens, the drafts before it and the table, so the output
 keeps the target's distribution whatever the history holds (a hash collision or a stale answer
@@ -217,34 +217,37 @@ def history_lookup(seq: Sequences, hist: jax.Array, hist_len: jax.Array, draft_l
 
 
 def history_sample(seq: Sequences, hist: jax.Array, hist_len: jax.Array, fallback: jax.Array,
-                   n: int, min_n: int, vocab: int, key: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(int32[B, K] drafts, float32[B, K, vocab] q): draft i drawn from q_i, the counts of the
-  tokens that follow the context's last n' tokens (n' = n down to min_n, the longest that has a
-  continuation) at every occurrence in the row's history entries hist [B, H, W], normalised;
-  the context is the row's committed tokens, then drafts 0 .. i - 1. Where nothing follows, q_i is
-  one-hot on `fallback[:, i]` (e.g. `history_lookup`'s drafts). q_i depends only on the committed
-  tokens, the drafts before i and the table, so the verifier's residual keeps the target's
-  distribution (`rejection.verify`)."""
+                   n: int, min_n: int, tail: int, vocab: int,
+                   key: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(int32[B, K] drafts, float32[B, K, vocab] q): draft i drawn from q_i, the votes of the row's
+  history entries hist [B, H, W] for the token that follows the context's last n' tokens (n' = n
+  down to min_n, the longest that some entry continues); an entry votes with its occurrence
+  nearest the row's own position (entries and rows are aligned as in `history_lookup`). The
+  context is the row's committed tokens, then drafts 0 .. i - 1. Where no entry continues it,
+  q_i is one-hot on `fallback[:, i]` (e.g. `history_lookup`'s drafts). q_i depends only on the
+  committed tokens, the drafts before i and the table, so the verifier's residual keeps the
+  target's distribution (`rejection.verify`)."""
   tokens, lengths = seq.tokens, seq.lengths
   batch, k = fallback.shape
   _, h, w = hist.shape
   idx = jnp.maximum(lengths[:, None] - n + jnp.arange(n)[None, :], 0)
   ctx = jnp.concatenate([jnp.take_along_axis(tokens, idx, axis=1),
                          jnp.zeros((batch, k), jnp.int32)], axis=1)  # last n committed, drafts
-  rows = jnp.broadcast_to(jnp.arange(batch)[:, None, None], (batch, h, w))
-  entries = jnp.arange(h)[None, :, None]
+  rows = jnp.broadcast_to(jnp.arange(batch)[:, None], (batch, h))
+  entries = jnp.broadcast_to(jnp.arange(h)[None, :], (batch, h))
   t = jnp.arange(w)[None, None, :]
-  # the token after an occurrence of m tokens at t (`_windows_match` admits t + m < length only)
-  following = {m: hist[rows, entries, jnp.minimum(t + m, w - 1)] for m in range(min_n, n + 1)}
 
   def draft(ctx, xs):
     i, step_key = xs
     counts = jnp.zeros((batch, vocab), jnp.float32)
-    for m in range(min_n, n + 1):  # a longer context's counts replace a shorter one's
+    for m in range(min_n, n + 1):  # a longer context's votes replace a shorter one's
       suffix = jax.lax.dynamic_slice_in_dim(ctx, n + i - m, m, axis=1)
       match = _windows_match(hist, hist_len, suffix) & (lengths + i >= m)[:, None, None]
-      c = jnp.zeros((batch, vocab), jnp.float32).at[rows, following[m]].add(
-          match.astype(jnp.float32))
+      aligned = (tail + lengths + i - seq.prompt_lengths - m)[:, None, None]
+      start = jnp.argmax(jnp.where(match, -jnp.abs(t - aligned), -2**30), axis=2)  # [B, H]
+      votes = jnp.any(match, axis=2).astype(jnp.float32)
+      nxt = hist[rows, entries, jnp.minimum(start + m, w - 1)]
+      c = jnp.zeros((batch, vocab), jnp.float32).at[rows, nxt].add(votes)
       counts = jnp.where(jnp.sum(c, axis=1, keepdims=True) > 0, c, counts)
     total = jnp.sum(counts, axis=1, keepdims=True)
     fixed = jax.nn.one_hot(jax.lax.dynamic_index_in_dim(fallback, i, axis=1, keepdims=False),
@@ -265,9 +268,9 @@ class HistoryDrafter(Drafter):
   context, `n` down to `min_n` tokens). Params: `HistoryParams(table, inner params)`.
 
   `sampled` (at a temperature > 0; needs `vocab_size`): each history draft is drawn from the
-  counts of what followed its context in the entries (`history_sample`), a draft distribution q
-  that the verifier's residual corrects, so where earlier completions disagree the draft covers
-  them in proportion; else the occurrence nearest the row's position (q one-hot)."""
+  entries' votes for what follows its context (`history_sample`), a draft distribution q that
+  the verifier's residual corrects, so where earlier completions disagree the draft covers them
+  in proportion; else the occurrence nearest the row's position (q one-hot)."""
 
   n: int = 3
   min_n: int = 1
@@ -330,7 +333,7 @@ class HistoryDrafter(Drafter):
     if self.sampled and self.temperature > 0:  # (greedy: the nearest occurrence's tokens)
       key, sample_key = jax.random.split(key)
       hist, q = history_sample(seq, state.tokens, state.lengths, hist, self.n, self.min_n,
-                               self.vocab_size, sample_key)
+                               params.table.tail, self.vocab_size, sample_key)
     inner = self._inner()
     if inner is None:
       other, probs, inner_state = lookup(seq, self.draft_len, self.n, self.min_n, 1), None, ()

@@ -44,7 +44,7 @@ class DraftConfig:
   # at most history_prompts prompts x history_per_prompt completions of history_tokens tokens
   # (0: ngram_max prompt tokens + max_new_tokens); a history draft needs a match of at least
   # history_min_match tokens (capped at ngram_max); history_sampled: at a temperature > 0 each
-  # history draft is drawn from the counts of what followed its context in the entries (a draft
+  # history draft is drawn from the entries' votes for what follows its context (a draft
   # distribution the verifier's residual corrects), not the nearest occurrence's token
   history_prompts: int = 1024
   history_per_prompt: int = 4
