@@ -1,9 +1,10 @@
-"""RL-Zero: GRPO from a weak base model, AR rollouts vs speculative (EAGLE-3) rollouts side by side.
+"""RL-Zero: GRPO from a weak base model, AR rollouts vs speculative rollouts side by side.
 
 `python experiments/rl_zero.py` runs the embedded default (the trace task's long-tailed
-scratchpads, a decoder pretrained here and grown to 14.2M parameters, CPU, no downloads) and
-writes runs/rl_zero/: metrics JSONL of both runs, summary.json, plots. Several RL seeds per arm:
-experiments/rl_zero_seeds.py.
+scratchpads over a revisited pool of prompts, a decoder pretrained here and grown to 14.2M
+parameters, drafts from each prompt's earlier completions and an EAGLE-3 head, CPU, no
+downloads) and writes runs/rl_zero/: metrics JSONL of both runs, summary.json, plots. Several RL
+seeds per arm: experiments/rl_zero_seeds.py.
 Every knob is a flag (`--help`), or a YAML file (`--config my.yaml`); `--model-path` takes a local
 Hugging Face checkpoint and `--dataset` a local JSONL/parquet math set.
 """
@@ -46,8 +47,8 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # from a 1.2M decoder pretrained here (`specjax.jobs.grow`: new layers and MLP units start
 # with zero output projections, so the grown policy computes exactly what the small one did).
 # The train step leaves out the groups whose samples all scored the same (their advantages are
-# exactly 0; RLConfig.train.skip_zero_advantage): about two thirds of the sequences here,
-# which puts generation at ~63% of the AR step (40% when every sequence was trained).
+# exactly 0; RLConfig.train.skip_zero_advantage): about three quarters of the sequences here,
+# which puts generation at ~69% of the AR step (40% when every sequence was trained).
 # 800 pretraining steps: after 400 the base's sampled scratchpads were wrong too often for RL to
 # find the right answers (+8 points in 30 steps); after 800, +67. Temperature 0.7: sampled
 # scratchpads are right more often (RL signal) and drafts are accepted more (2.38 vs 1.8-2.0 at 1).
@@ -60,8 +61,13 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # 1.46 (step-0 agreement 0.80, acceptance 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95,
 # 3.26, 1.58x) for 26 s more, 300 to 0.20 (0.97, 3.30, 1.63x) for 62 s more. Smallest live bucket 2,
 # not 1: a bucket is up to four more programs to compile and calibrate (one per K) in the spec arm's
-# first step (62 -> 39 s), and a one-row tail here lasts a step or two. Measured in
-# docs/BENCHMARKS.md ("Main job").
+# first step (62 -> 39 s), and a one-row tail here lasts a step or two. A pool of 16 prompts
+# revisited epoch after epoch (four epochs in 30 steps), as RL datasets are, drafted from by
+# `eagle3-history` (each prompt's latest completions where they match a row, the head elsewhere)
+# up to K = 7: from the second epoch on it accepts 5.8-7.4 tokens per step against the head's
+# 3.3 at K <= 3. K is chosen among 0, 2, 4 and 7 only: each K is a program per bucket to compile
+# in the first step (every K in 0..7: 26 programs, 114 s), and the engine ran 4, 5 and 7 past
+# the first step. Measured in docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
@@ -74,11 +80,11 @@ DEFAULTS = ExperimentConfig(
         model=ModelConfig(vocab_size=64, hidden_size=256, num_layers=8, num_heads=4,
                           num_kv_heads=2, head_dim=64, mlp_hidden=2048, tie_embeddings=True,
                           aux_layers=(1, 2, 3)),
-        task=TaskConfig(name="trace", operands=TRACE_STEPS),
+        task=TaskConfig(name="trace", operands=TRACE_STEPS, pool_size=16),
         grpo=GRPOConfig(group_size=4),
         policy_optim=OptimConfig(lr=2e-4, warmup_steps=2, clip_norm=1.0),
         draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
-        draft=DraftConfig(kind="eagle3", draft_len=3, online=False),
+        draft=DraftConfig(kind="eagle3-history", draft_len=7, draft_lens=(2, 4), online=False),
         rollout=RolloutConfig(temperature=0.7, max_new_tokens=7 * TRACE_STEPS - 3, min_bucket=2),
         validation=ValidationConfig(every=10, num_prompts=64, batch_size=64),
         checkpoint=CheckpointConfig(every=0),  # on exit only: saving costs a step
