@@ -76,7 +76,7 @@ def test_committed_community_head_drafts_losslessly_for_its_policy(policy, commu
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["llama-layer", "qwen3-layer"])
 def test_save_then_load_round_trips_params_and_maps(policy, tmp_path, qk_norm):
-  head = init_head(policy.cfg.replace(qk_norm=qk_norm), 40, seed=1)
+  head = init_head(policy.cfg, 40, seed=1, qk_norm=qk_norm)
   maps = build_vocab_maps(np.random.default_rng(0).random(160), 160, 40)
   if qk_norm:
     with pytest.warns(UserWarning, match="q/k norm"):

@@ -42,6 +42,12 @@ def test_rl_zero_runs_every_stage_and_writes_the_report(tmp_path):
                                                   .read_text().splitlines()) if "time/step" in r]
           for arm in ("ar", "spec")}
   assert ends["ar"][0] < ends["spec"][0] < ends["ar"][1] < ends["spec"][1], ends
+  # the run's trained head, in the community format, has a Llama layer (no q/k norm, though the
+  # policy is Qwen3-shaped): vLLM and SGLang load it
+  from safetensors.numpy import load_file
+  head = load_file(str(out / "spec" / "draft_hf" / "model.safetensors"))
+  assert "midlayer.self_attn.q_proj.weight" in head
+  assert not [name for name in head if "q_norm" in name or "k_norm" in name]
   # a second run finds the cached base policy and draft head
   cached = sorted(os.listdir(tmp_path / "cache"))
   assert any(c.startswith("base-") for c in cached) and any(c.startswith("eagle3-") for c in cached)

@@ -314,9 +314,10 @@ def save_eagle3_hf(path: str, head: Eagle3Head, maps: VocabMaps, *, embed_table=
                    dtype: str | None = None, overwrite: bool = True) -> str:
   """Write `head` and `maps` as a community EAGLE-3 directory (atomically) that vLLM and SGLang
   load; returns its absolute path. `embed_table` (the policy's embedding) is written as
-  embed_tokens.weight when given (loaders share the target's when it is absent). A head built on a
-  Qwen3 policy's layer shape (q/k norm) also writes midlayer.self_attn.q_norm/k_norm, which only
-  specjax reads; build heads with `qk_norm=False` targets to serve them elsewhere."""
+  embed_tokens.weight when given (loaders share the target's when it is absent). A head with q/k norm
+  (`init_head(..., qk_norm=True)`, or loaded from such a file) also writes
+  midlayer.self_attn.q_norm/k_norm, which only specjax reads; `init_head`'s default layer has
+  none."""
   from safetensors.numpy import save_file
 
   from specjax.models.config import DTYPES
@@ -327,7 +328,7 @@ def save_eagle3_hf(path: str, head: Eagle3Head, maps: VocabMaps, *, embed_table=
     raise ValueError(f"save_eagle3_hf: maps ({maps.draft_vocab} of {maps.vocab_size}) do not fit "
                      f"the head ({cfg.draft_vocab} of {cfg.target.vocab_size})")
   if cfg.target.qk_norm:
-    warnings.warn("save_eagle3_hf: the head uses q/k norm (built on a Qwen3 policy's config), "
+    warnings.warn("save_eagle3_hf: the head uses q/k norm (init_head(..., qk_norm=True)), "
                   "which LlamaForCausalLMEagle3 has no place for; vLLM/SGLang will not load it")
   np_dtype = np.dtype(DTYPES[dtype or cfg.target.param_dtype])
   tensors = {}

@@ -83,7 +83,11 @@ class Eagle3Head(nnx.Module):
                       preferred_element_type=jnp.float32)
 
 
-def init_head(target_cfg: ModelConfig, draft_vocab: int | None = None, seed: int = 0) -> Eagle3Head:
-  """A fresh head for a target; `draft_vocab` None -> the full vocabulary."""
+def init_head(target_cfg: ModelConfig, draft_vocab: int | None = None, seed: int = 0,
+              qk_norm: bool = False) -> Eagle3Head:
+  """A fresh head for a target; `draft_vocab` None -> the full vocabulary. Its decoder layer is
+  Llama's (`qk_norm` False) whatever the target's, as published EAGLE-3 heads are
+  (LlamaForCausalLMEagle3), so that vLLM and SGLang load what `save_eagle3_hf` writes of it;
+  True: q/k norm as in a Qwen3 layer (a format only specjax reads)."""
   n = target_cfg.vocab_size if draft_vocab is None else draft_vocab
-  return Eagle3Head(HeadConfig(target_cfg, n), rngs=nnx.Rngs(seed))
+  return Eagle3Head(HeadConfig(target_cfg.replace(qk_norm=qk_norm), n), rngs=nnx.Rngs(seed))

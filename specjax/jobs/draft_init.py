@@ -52,8 +52,8 @@ def build_draft_head(cfg: ExperimentConfig, policy, tokenizer, task):
   graphdef, params = nnx.split(policy)
   # the rollouts' sampling settings, not the engine's (compaction, train widths, the draft
   # lengths it may pick): those do not change what the head is trained on; every kind that drafts
-  # with a head (eagle3, eagle3-history) trains this one
-  key = cache_key("draft", d, "eagle3", cfg.rl.draft.ttt_steps,
+  # with a head (eagle3, eagle3-history) trains this one; its layer is Llama's (`init_head`)
+  key = cache_key("draft", d, "eagle3", "llama-layer", cfg.rl.draft.ttt_steps,
                   sampling_config(cfg.rl, tokenizer), task_key(cfg.rl.task), policy.cfg,
                   params_fingerprint(params))
   path = os.path.join(cfg.cache_dir, f"eagle3-{key}")
