@@ -41,33 +41,35 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 
 
 # The main job's proportions follow the NeMo-RL setting on a 2-core CPU (docs/BENCHMARKS.md):
-# long-tailed scratchpads (11-165 tokens), few rows per step (2 prompts x 4 samples: in this task
-# a prompt fixes its length, so two prompts give the live batch something to shrink to), and a
-# policy large enough that decoding reads weights rather than computing (14.2M parameters), grown
-# from a 1.2M decoder pretrained here (`specjax.jobs.grow`: new layers and MLP units start
-# with zero output projections, so the grown policy computes exactly what the small one did).
-# The train step leaves out the groups whose samples all scored the same (their advantages are
-# exactly 0; RLConfig.train.skip_zero_advantage): about three quarters of the sequences here,
-# which puts generation at ~69% of the AR step (40% when every sequence was trained).
-# 800 pretraining steps: after 400 the base's sampled scratchpads were wrong too often for RL to
-# find the right answers (+8 points in 30 steps); after 800, +67. Temperature 0.7: sampled
-# scratchpads are right more often (RL signal) and drafts are accepted more (2.38 vs 1.8-2.0 at 1).
-# No online draft loss: it would add the head's 3-step TTT unroll to every train step, which the
-# step speedup cannot afford here (`--rl.draft.online`; not measured in this configuration). A
-# 32-token draft vocabulary: with 16 (digits, '+=,#', EOS and 'a') the head could never draft a
-# step's letter b..z, one scratchpad token in seven, and acceptance length was 2.1-2.5 over three
-# runs; with 32 (the most frequent tokens, the early letters among them), 2.6-2.9 over eight. 220
-# offline head steps, not 150: on a base pretrained on another host, 150 steps left the TTT loss at
-# 1.46 (step-0 agreement 0.80, acceptance 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95,
-# 3.26, 1.58x) for 26 s more, 300 to 0.20 (0.97, 3.30, 1.63x) for 62 s more. Smallest live bucket 2,
-# not 1: a bucket is up to four more programs to compile and calibrate (one per K) in the spec arm's
-# first step (62 -> 39 s), and a one-row tail here lasts a step or two. A pool of 16 prompts
-# revisited epoch after epoch (four epochs in 30 steps), as RL datasets are, drafted from by
-# `eagle3-history` (each prompt's latest completions where they match a row, the head elsewhere)
-# up to K = 7: from the second epoch on it accepts 5.8-7.4 tokens per step against the head's
-# 3.3 at K <= 3. K is chosen among 0, 2, 4 and 7 only: each K is a program per bucket to compile
-# in the first step (every K in 0..7: 26 programs, 114 s), and the engine ran 4, 5 and 7 past
-# the first step. Measured in docs/BENCHMARKS.md ("Main job").
+# long-tailed scratchpads (11-165 tokens), few rows per step (2 prompts x 4 samples: in this task a
+# prompt fixes its length, so two prompts give the live batch something to shrink to), and a policy
+# large enough that decoding reads weights rather than computing (14.2M parameters), grown from a
+# 1.2M decoder pretrained here (`specjax.jobs.grow`: new layers and MLP units start with zero output
+# projections, so the grown policy computes exactly what the small one did). The train step leaves
+# out the groups whose samples all scored the same (their advantages are exactly 0;
+# RLConfig.train.skip_zero_advantage): about three quarters of the sequences here, which puts
+# generation at ~69% of the AR step (40% when every sequence was trained). 800 pretraining steps:
+# after 400 the base's sampled scratchpads were wrong too often for RL to find the right answers (+8
+# points in 30 steps); after 800, +67. Temperature 0.7: sampled scratchpads are right more often (RL
+# signal) and drafts are accepted more (2.38 vs 1.8-2.0 at 1). No online draft loss: it would add
+# the head's 3-step TTT unroll to every train step, which the step speedup cannot afford here
+# (`--rl.draft.online`; not measured in this configuration). A 32-token draft vocabulary: with 16
+# (digits, '+=,#', EOS and 'a') the head could never draft a step's letter b..z, one scratchpad
+# token in seven, and acceptance length was 2.1-2.5 over three runs; with 32 (the most frequent
+# tokens, the early letters among them), 2.6-2.9 over eight. 220 offline head steps, not 150: on a
+# base pretrained on another host, 150 steps left the TTT loss at 1.46 (step-0 agreement 0.80,
+# acceptance 1.9-2.4, rollout 1.11-1.27x); 220 took it to 0.36 (0.95, 3.26, 1.58x) for 26 s more,
+# 300 to 0.20 (0.97, 3.30, 1.63x) for 62 s more (those heads had Qwen3's layer; the head's layer is
+# now Llama's, which vLLM and SGLang load: 220 steps leave its TTT loss at 0.81, agreement 0.87, and
+# the job's acceptance at 5.75 against 5.94). Smallest live bucket 2, not 1: a bucket is up to four
+# more programs to compile and calibrate (one per K) in the spec arm's first step (62 -> 39 s), and
+# a one-row tail here lasts a step or two. A pool of 16 prompts revisited epoch after epoch (four
+# epochs in 30 steps), as RL datasets are, drafted from by `eagle3-history` (each prompt's latest
+# completions where they match a row, the head elsewhere) up to K = 7: from the second epoch on it
+# accepts 5.8-7.6 tokens per step against the head's 3.3 at K <= 3. K is chosen among 0, 2, 4 and 7
+# only: each K is a program per bucket to compile in the first step (every K in 0..7: 26 programs,
+# 114 s), and the engine ran 4, 5 and 7 past the first step. Measured in docs/BENCHMARKS.md ("Main
+# job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
