@@ -314,8 +314,8 @@ def save_eagle3_hf(path: str, head: Eagle3Head, maps: VocabMaps, *, embed_table=
                    dtype: str | None = None, overwrite: bool = True) -> str:
   """Write `head` and `maps` as a community EAGLE-3 directory (atomically) that vLLM and SGLang
   load; returns its absolute path. `embed_table` (the policy's embedding) is written as
-  embed_tokens.weight when given (loaders share the target's when it is absent). A head with q/k norm
-  (`init_head(..., qk_norm=True)`, or loaded from such a file) also writes
+  embed_tokens.weight when given (loaders share the target's when it is absent). A head with q/k
+  norm (`init_head(..., qk_norm=True)`, or loaded from such a file) also writes
   midlayer.self_attn.q_norm/k_norm, which only specjax reads; `init_head`'s default layer has
   none."""
   from safetensors.numpy import save_file
