@@ -66,10 +66,10 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # a one-row tail here lasts a step or two. A pool of 16 prompts revisited epoch after epoch (four
 # epochs in 30 steps), as RL datasets are, drafted from by `eagle3-history` (each prompt's latest
 # completions where they match a row, the head elsewhere) up to K = 7: from the second epoch on it
-# accepts 5.8-7.6 tokens per step against the head's 3.1-3.2 at K <= 3. K is chosen among 0, 2, 4 and 7
-# only: each K is a program per bucket to compile in the first step (every K in 0..7: 26 programs,
-# 114 s), and the engine ran 4, 5 and 7 past the first step. Measured in docs/BENCHMARKS.md ("Main
-# job").
+# accepts 5.8-7.6 tokens per step against the head's 3.1-3.2 at K <= 3. K is chosen among 0, 2, 4
+# and 7 only: each K is a program per bucket to compile in the first step (every K in 0..7: 26
+# programs, 114 s), and the engine ran 4, 5 and 7 past the first step. Measured in
+# docs/BENCHMARKS.md ("Main job").
 TRACE_STEPS = 24
 
 DEFAULTS = ExperimentConfig(
