@@ -49,6 +49,13 @@ def test_a_range_error_in_yaml_names_the_file_too(tmp_path):
     load_config(path)
 
 
+def test_a_draft_length_ladder_with_k_0_is_refused_when_the_config_is_read(tmp_path):
+  # (not minutes later, when the first rollout builds the engine's config)
+  path = _yaml(tmp_path, "draft:\n  draft_lens: [2, 0]\n")
+  with pytest.raises(ValueError, match=rf"^{path}: DraftConfig.draft_lens: must be K >= 1"):
+    load_config(path)
+
+
 def test_the_experiment_launcher_names_its_yaml_file_and_the_nested_field(tmp_path):
   path = _yaml(tmp_path, "rl:\n  grpo:\n    group_size: 2.5\n")
   with pytest.raises(ValueError, match=rf"^{path}: ExperimentConfig.rl.grpo.group_size: "

@@ -58,6 +58,8 @@ class DraftConfig:
     _check(self.draft_len >= 1, f"{w}.draft_len", f"must be >= 1, got {self.draft_len}")
     _check(self.max_draft_len >= 0, f"{w}.max_draft_len",
            f"must be >= 0 (0: draft_len), got {self.max_draft_len}")
+    _check(all(k >= 1 for k in self.draft_lens), f"{w}.draft_lens",
+           f"must be K >= 1 (0 and the largest K are always choices), got {self.draft_lens}")
     _check(self.tree_width >= 1, f"{w}.tree_width", f"must be >= 1 (1: a chain), got "
            f"{self.tree_width}")
     _check(self.tree_depth >= 0, f"{w}.tree_depth", f"must be >= 0 (0: every depth), got "
