@@ -178,7 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="tiny shapes and batches (a check that the script runs, not a benchmark)")
   if "--smoke" in (sys.argv[1:] if argv is None else argv):  # other defaults; flags still apply
     p.set_defaults(models=["smoke"], spec_model="smoke", batches=[1, 4], spec_batches=[2],
-                   draft_len=2, prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2, paged_context=64,
+                   draft_len=2, prompt_len=8, new_tokens=8, dtype="float32", paged_batch=2,
+                   paged_context=64,
                    reads_model="smoke", reads_batches=[2], reads_chunk=4, repeats=2,
                    context_model="smoke", context_len=24, context_batches=[2],
                    queue_model="smoke", queue_prompts=6, queue_group=2, queue_slots=4,
