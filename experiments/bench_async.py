@@ -23,6 +23,8 @@ import platform
 import sys
 import time
 
+from specjax.jobs import run_main
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -170,4 +172,4 @@ def format_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -29,6 +29,7 @@ import tempfile
 import time
 
 from bench_io import write_json
+from specjax.jobs import run_main
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -171,4 +172,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.jobs import run_main
 from specjax.models import Decoder, ModelConfig
 from specjax.models.chunked import token_logprobs
 
@@ -131,7 +132,7 @@ def decode_arms(cfg: ModelConfig, batches: list[int], cache: int) -> list[dict]:
   return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--layers", type=int, nargs="+", default=[8, 16, 36])
   p.add_argument("--remat", nargs="+", default=["none", "full"])
@@ -139,7 +140,7 @@ def main() -> None:
   p.add_argument("--json", default="runs/bench_compile_depth.json")
   p.add_argument("--decode", action="store_true", help="unrolled vs scanned decode step")
   p.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="--decode: batch sizes")
-  args = p.parse_args()
+  args = p.parse_args(argv)
   if args.decode:
     layers = args.layers if args.layers != [8, 16, 36] else [28]
     rows = []
@@ -173,4 +174,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -25,11 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-import tyro  # noqa: E402
 
 import toy  # noqa: E402
+from specjax.config_tree import apply_cli  # noqa: E402
 from specjax.drafters import (DraftTrainConfig, collect_rollouts, eagle3_drafter,  # noqa: E402
                            eval_ttt, identity_maps, init_head, mtp_drafter, train_draft_head)
+from specjax.jobs import run_main  # noqa: E402
 from specjax.jobs.pretrain import LmTrainConfig, train_lm  # noqa: E402
 from specjax.models.tokenizer import CharTokenizer  # noqa: E402
 from specjax.drafters import DraftModelDrafter, NgramDrafter  # noqa: E402
@@ -194,4 +195,5 @@ def format_tables(report: dict) -> str:
 
 
 if __name__ == "__main__":
-  main(tyro.cli(BenchConfig))
+  # a user's mistake: one line on stderr, exit code 2 (README)
+  run_main(lambda args: main(apply_cli(BenchConfig(), args)))

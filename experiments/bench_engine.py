@@ -56,6 +56,8 @@ from flax import nnx  # noqa: E402
 
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, NgramDrafter,  # noqa: E402
                               eagle3_drafter, train_draft_head, truncated_copy)
+from specjax.errors import UserError  # noqa: E402
+from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
@@ -486,7 +488,7 @@ def main(argv=None) -> dict:
   t0 = time.perf_counter()
   if a.target == "markov":
     if cfg_m.tie_embeddings:
-      raise ValueError("--target markov fits an untied LM head")
+      raise UserError("--target markov fits an untied LM head")
     a.language = MarkovLanguage(a.vocab, a.seed)
     # the token's embedding dominates the residual stream and each layer adds a smaller,
     # context-dependent part: a language model whose next token mostly follows the language
@@ -621,4 +623,4 @@ def print_table(s: dict) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

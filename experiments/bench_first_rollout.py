@@ -39,6 +39,7 @@ import tempfile
 import time
 
 from bench_io import write_json
+from specjax.jobs import run_main
 
 ARMS = ("ar", "spec", "spec_ahead", "spec_every_k", "spec_cached")
 
@@ -175,4 +176,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -94,6 +94,7 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
+from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.models import cache, paged  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
@@ -822,4 +823,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -44,6 +44,7 @@ import tempfile
 import time
 
 from bench_io import write_json
+from specjax.jobs import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 28
@@ -379,4 +380,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -28,6 +28,7 @@ from flax import nnx
 
 from specjax.drafters.head import init_head
 from specjax.drafters.vocab import build_vocab_maps
+from specjax.jobs import run_main
 from specjax.models import Decoder, ModelConfig
 from specjax.rl import train_step
 from specjax.rl.config import DraftConfig, RLConfig
@@ -116,7 +117,7 @@ def measure_prefill(seq: int, layers: int, batch: int) -> list[dict]:
   return rows
 
 
-def main() -> None:
+def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 8192])
   p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
@@ -127,7 +128,7 @@ def main() -> None:
   p.add_argument("--prefill", action="store_true", help="measure the prefill program instead")
   p.add_argument("--prefill-layers", type=int, default=2)
   p.add_argument("--prefill-batch", type=int, default=64)
-  args = p.parse_args()
+  args = p.parse_args(argv)
   rows = []
   print(f"{'variant':<12} {'phase':<8} {'seq':>6} {'peak GB':>8} {'temp GB':>8} {'args GB':>8} "
         f"{'compile s':>9}")
@@ -150,4 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -56,6 +56,7 @@ from flax import nnx  # noqa: E402
 import bench_engine as be  # noqa: E402
 from bench_io import write_json  # noqa: E402
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
+from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder, cache  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
@@ -287,4 +288,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -31,6 +31,7 @@ from flax import nnx  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, GroupNgramDrafter, NgramDrafter,  # noqa: E402
                               truncated_copy)
+from specjax.jobs import run_main  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineTuning, SamplingConfig,  # noqa: E402
                               generate, speculative_generate)
 
@@ -232,4 +233,4 @@ def print_table(results) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -19,6 +19,7 @@ import time
 
 from flax import nnx
 
+from specjax.jobs import run_main
 from specjax.models import CharTokenizer, Decoder, ModelConfig
 from specjax.optim import OptimConfig
 from specjax.rl.config import (
@@ -74,7 +75,7 @@ def write_workload(path: str, policy: Decoder, tok: CharTokenizer, task: Arithme
       f.write(json.dumps({"prompt": ex.prompt, "answer": ex.answer}) + "\n")
 
 
-def main() -> None:
+def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--steps", type=int, default=8)
   p.add_argument("--prompts", type=int, default=8)
@@ -84,7 +85,7 @@ def main() -> None:
   p.add_argument("--workload", default="", help="also write the workload here for TRL")
   p.add_argument("--workload-only", action="store_true", help="write the workload and stop")
   p.add_argument("--json", default="runs/bench_train_side.json")
-  args = p.parse_args()
+  args = p.parse_args(argv)
 
   tok = CharTokenizer()
   cfg = rl_config(args, tok)
@@ -126,4 +127,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -37,6 +37,7 @@ from flax import nnx  # noqa: E402
 from experiments import bench_engine as be  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, eagle3_drafter,  # noqa: E402
                               train_draft_head, truncated_copy)
+from specjax.jobs import run_main  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, speculative_generate)
 
@@ -219,4 +220,4 @@ def print_table(s: dict) -> None:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -93,6 +93,8 @@ import tempfile
 import time
 
 from bench_io import write_json
+from specjax.errors import UserError
+from specjax.jobs import run_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -489,9 +491,9 @@ def checkpoint(a, py: str, env: dict) -> tuple[str, dict]:
     except (OSError, ValueError):
       marker = None
     if marker is None or {k: marker.get(k) for k in want} != want:
-      sys.exit(f"peer_vllm: {path} exists but is not a checkpoint this script made with shape "
-               f"{a.shape} and seed {a.seed} (no matching {MARKER}); move it away or pass "
-               "another --out-dir")
+      raise UserError(f"peer_vllm: {path} exists but is not a checkpoint this script made with "
+                      f"shape {a.shape} and seed {a.seed} (no matching {MARKER}); move it away or "
+                      "pass another --out-dir")
     log(f"checkpoint: reusing {path}")
     return path, marker
   tmp = f"{path}.making-{os.getpid()}"
@@ -700,8 +702,8 @@ def tq_export(a, target, eos) -> tuple[str, str, dict]:
   root = os.path.join(os.path.abspath(a.out_dir), f"markov-h{a.hidden}-l{a.layers}-v{a.vocab}"
                       f"-seed{a.seed}")
   if os.path.exists(root) and not os.path.exists(os.path.join(root, MARKER)):
-    sys.exit(f"peer_vllm: {root} exists but this script did not make it (no {MARKER}); move it "
-             "away or pass another --out-dir")
+    raise UserError(f"peer_vllm: {root} exists but this script did not make it (no {MARKER}); "
+                    "move it away or pass another --out-dir")
   tdir, ddir = os.path.join(root, "target"), os.path.join(root, "draft")
   os.makedirs(root, exist_ok=True)
   marker = {"made_by": "peer_vllm.py --trained-queue", "eos_ids": list(eos),
@@ -1148,4 +1150,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  run_main(main)  # a user's mistake: one line on stderr, exit code 2 (README)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.jobs import exit_on_stop, setup_logging
+from specjax.errors import UserError
+from specjax.jobs import run_main, setup_logging
 from specjax.jobs.base_policy import biased_answer
 from specjax.jobs.config import BaseModelConfig, DraftInitConfig, ExperimentConfig, parse_config
 from specjax.jobs.driver import run_experiment
@@ -29,8 +30,8 @@ class ScratchpadArithmeticTask(ArithmeticTask):
 
   def __init__(self, cfg, tokenizer=None):
     if set(cfg.operators) - set("+-"):
-      raise ValueError(f"TaskConfig.operators: arithmetic-think supports '+' and '-' only, "
-                       f"got {cfg.operators!r}")
+      raise UserError(f"TaskConfig.operators: arithmetic-think supports '+' and '-' only, "
+                      f"got {cfg.operators!r}")
     super().__init__(cfg, tokenizer)
 
   @staticmethod
@@ -108,10 +109,10 @@ def main(argv=None) -> dict:
   from specjax.sharding import initialize_distributed
 
   initialize_distributed()
-  # a stop signal or a failed write: one line on stderr and a documented exit code (README)
-  return exit_on_stop(lambda: run_experiment(cfg, base_examples=answer_examples,
-                                             finetune_examples=scratchpad_examples))
+  return run_experiment(cfg, base_examples=answer_examples,
+                        finetune_examples=scratchpad_examples)
 
 
 if __name__ == "__main__":
-  main()
+  # a user's mistake, a failed write or a stop: one line on stderr and an exit code (README)
+  run_main(main)

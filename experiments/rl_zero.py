@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specjax.jobs import exit_on_stop, setup_logging
+from specjax.jobs import run_main, setup_logging
 from specjax.jobs.base_policy import biased_answer
 from specjax.jobs.config import BaseModelConfig, DraftInitConfig, ExperimentConfig, parse_config
 from specjax.jobs.driver import run_experiment
@@ -100,9 +100,9 @@ def main(argv=None) -> dict:
   from specjax.sharding import initialize_distributed
 
   initialize_distributed()
-  # a stop signal or a failed write: one line on stderr and a documented exit code (README)
-  return exit_on_stop(lambda: run_experiment(cfg, base_examples=answer_examples))
+  return run_experiment(cfg, base_examples=answer_examples)
 
 
 if __name__ == "__main__":
-  main()
+  # a user's mistake, a failed write or a stop: one line on stderr and an exit code (README)
+  run_main(main)

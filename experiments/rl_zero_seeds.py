@@ -26,6 +26,8 @@ import os
 
 import numpy as np
 
+from specjax.jobs import run_main
+
 EXPERIMENTS = ("rl_zero", "rl_think")  # modules beside this file with main(argv) -> summary
 
 
@@ -103,4 +105,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-  main()
+  # a user's mistake, a failed write or a stop: one line on stderr and an exit code (README)
+  run_main(main)

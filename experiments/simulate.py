@@ -23,6 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from specjax.errors import UserError  # noqa: E402
+from specjax.jobs.console import run_main  # noqa: E402
 from specjax.sim import bench_data, calibrate, catalog, machine_fit, report  # noqa: E402
 from specjax.sim.advise import DEFAULT_DRAFTERS, advice_text, advise  # noqa: E402
 from specjax.sim.calibrate import BENCH_FIELDS, LONG_CONTEXT  # noqa: E402
@@ -167,11 +169,11 @@ def run_bench_calibration(a: argparse.Namespace) -> dict:
   """One hardware's factors from its measured decode steps alone (e.g. bench_gpu.py's JSON):
   the steps as the current factors predict them, the fit, and the steps as it predicts them."""
   if not a.bench_json:
-    raise SystemExit("--bench-only: give the measured cases with --bench-json")
+    raise UserError("--bench-only: give the measured cases with --bench-json")
   cases = [c for path in a.bench_json for c in bench_data.cases_from_benchmark_json(path)]
   names = sorted({c.probe.hardware.name for c in cases})
   if len(names) != 1:
-    raise SystemExit(f"--bench-only: the cases must come from one hardware, got {names}")
+    raise UserError(f"--bench-only: the cases must come from one hardware, got {names}")
   fields = a.fit_fields or calibrate.bench_fields(cases)
   before = efficiency_for(names[0])
   eff = calibrate.fit_efficiency(cases, before, fields, iters=100)
@@ -218,7 +220,7 @@ def run_validation(a: argparse.Namespace) -> dict:
     for c in bench_data.forward_cases(path, clock=a.clock):
       (fit_cases if c.name.split(" ")[0] in fit_models else held).append(c)
   if a.clock == "cpu" and (a.fit_rollout or a.rollout_json):
-    raise SystemExit("--clock cpu: bench_rollout.py JSON has wall time only")
+    raise UserError("--clock cpu: bench_rollout.py JSON has wall time only")
   for path in a.fit_rollout:
     fit_cases += bench_data.rollout_cases(path)
   for path in a.rollout_json:
@@ -238,8 +240,8 @@ def run_validation(a: argparse.Namespace) -> dict:
     if steps:
       run_steps[arms[0].name.rsplit(" ", 1)[0] + " "] = steps
   if not fit_cases:
-    raise SystemExit("--validate-cpu: no fit cases (give --forward-json with --fit-models, "
-                     "--fit-rollout, --fit-engine-json or --fit-engine-calibration)")
+    raise UserError("--validate-cpu: no fit cases (give --forward-json with --fit-models, "
+                    "--fit-rollout, --fit-engine-json or --fit-engine-calibration)")
   out = machine_fit.validate(fit_cases, held, run_steps=run_steps)
   out["command"] = "python experiments/simulate.py " + " ".join(sys.argv[1:])
   if not a.json:
@@ -274,14 +276,14 @@ def run_advice(a: argparse.Namespace, s: Scenario) -> dict:
   for item in a.drafter_acceptance:
     name, _, val = item.partition("=")
     if name not in DRAFTER_COSTS or not val:
-      raise SystemExit(f"--drafter-acceptance: expected DRAFTER=LENGTH with DRAFTER in "
-                       f"{names}, got {item!r}")
+      raise UserError(f"--drafter-acceptance: expected DRAFTER=LENGTH with DRAFTER in "
+                      f"{names}, got {item!r}")
     given[name] = float(val)
   drafters = tuple(d for d in a.drafters.split(",") if d)
   speculative = tuple(n for n, d in DRAFTER_COSTS.items() if d.speculative)
   for d in drafters:
     if d not in speculative:
-      raise SystemExit(f"--drafters: {d!r} is not one of {speculative}")
+      raise UserError(f"--drafters: {d!r} is not one of {speculative}")
   out = advise(s, drafters=drafters, max_lag=a.max_lag, acceptance=given)
   if not a.json:
     print(advice_text(out))
@@ -332,4 +334,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  sys.exit(run_main(main))

@@ -3,26 +3,51 @@ built from nested dicts, and loading one tree from defaults <- a YAML file <- do
 
 A dataclass whose tree lost a field to a new place lists it in a `MOVED_FIELDS` class attribute
 ({old dotted path: new dotted path}, relative to itself): a YAML key or CLI flag at the old path is
-then refused with a message that names the new one, not as merely unknown.
+then refused with a message that names the new one, not as merely unknown. Every refusal is a
+`UserError` (specjax.errors): the jobs print it as one line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextvars
 import dataclasses
 import os
 import sys
 import types
 import typing
-from typing import Any, Iterable, Sequence, TypeVar
+from typing import Any, Iterable, NoReturn, Sequence, TypeVar
+
+from specjax.errors import UserError
 
 T = TypeVar("T")
 
+# set while tyro builds a config from flags (`apply_cli`)
+_IN_CLI = contextvars.ContextVar("specjax_config_in_cli", default=False)
+
+
+class _Refused(Exception):
+  """A failed check while tyro builds the config. Not a ValueError: tyro would catch that and draw
+  it in its own multi-line box; `apply_cli` raises the UserError it carries instead."""
+
+  def __init__(self, error: UserError):
+    super().__init__(str(error))
+    self.error = error
+
+
+def refuse(message: str) -> NoReturn:
+  """Raise `UserError(message)`: a user's mistake, reported as one line by the jobs."""
+  error = UserError(message)
+  if _IN_CLI.get():
+    raise _Refused(error)
+  raise error
+
 
 def check(cond: bool, where: str, msg: str) -> None:
-  """Raise `ValueError("<where>: <msg>")` unless `cond`; `where` names the field (Config.field)."""
+  """Raise `UserError("<where>: <msg>")` (a ValueError) unless `cond`; `where` names the field
+  (Config.field)."""
   if not cond:
-    raise ValueError(f"{where}: {msg}")
+    refuse(f"{where}: {msg}")
 
 
 def one_of(value: Any, allowed: Iterable[Any], where: str) -> None:
@@ -34,8 +59,8 @@ def _type_name(tp: Any) -> str:
   return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 
-def _refuse(value: Any, expected: str, where: str) -> None:
-  raise ValueError(f"{where}: expected {expected}, got {value!r} ({type(value).__name__})")
+def _refuse(value: Any, expected: str, where: str) -> NoReturn:
+  refuse(f"{where}: expected {expected}, got {value!r} ({type(value).__name__})")
 
 
 def _convert(tp: Any, value: Any, where: str) -> Any:
@@ -95,12 +120,12 @@ def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
   if isinstance(data, cls):
     return data
   if not isinstance(data, dict):
-    raise ValueError(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
+    refuse(f"{where}: expected a mapping, got {type(data).__name__} {data!r}")
   hints = typing.get_type_hints(cls)
   names = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(data) - names)
   if unknown:
-    raise ValueError(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
+    refuse(f"{where}: unknown field(s) {unknown}; known: {sorted(names)}")
   kwargs = {k: _convert(hints[k], v, f"{where}.{k}") for k, v in data.items()}
   return cls(**kwargs)
 
@@ -108,11 +133,11 @@ def from_dict(cls: type[T], data: Any, where: str | None = None) -> T:
 def merge(base: dict, over: dict, where: str) -> dict:
   """`base` with the (nested) values of `over`; a key `base` lacks is an error naming it."""
   if not isinstance(over, dict):
-    raise ValueError(f"{where}: expected a mapping, got {type(over).__name__}")
+    refuse(f"{where}: expected a mapping, got {type(over).__name__}")
   out = dict(base)
   for k, v in over.items():
     if k not in base:
-      raise ValueError(f"{where}.{k}: unknown field; known: {sorted(base)}")
+      refuse(f"{where}.{k}: unknown field; known: {sorted(base)}")
     out[k] = merge(base[k], v, f"{where}.{k}") if isinstance(base[k], dict) and v is not None \
         else v
   return out
@@ -130,7 +155,7 @@ def moved_fields(cls: type, prefix: str = "") -> dict[str, str]:
 
 
 def _refuse_moved_keys(cls: type, data: Any, where: str) -> None:
-  """A ValueError naming the new path of the first moved field that `data` (nested dicts) sets."""
+  """A UserError naming the new path of the first moved field that `data` (nested dicts) sets."""
   for old, new in moved_fields(cls).items():
     node = data
     for part in old.split("."):
@@ -138,13 +163,13 @@ def _refuse_moved_keys(cls: type, data: Any, where: str) -> None:
         break
       node = node[part]
     else:
-      raise ValueError(f"{where}.{old}: moved to {new}")
+      refuse(f"{where}.{old}: moved to {new}")
 
 
 def _refuse_moved_flags(cls: type, args: Sequence[str]) -> None:
-  """Exit, naming the new flag, on the first flag at a moved field's old path; tyro would refuse
-  it too, but only as unrecognized. Flags are dotted, hyphenated paths; a bool's negation puts
-  `no-` before its last part (`--rl.draft.no-online`)."""
+  """A UserError naming the new flag of the first flag at a moved field's old path; tyro would
+  refuse it too, but only as unrecognized. Flags are dotted, hyphenated paths; a bool's negation
+  puts `no-` before its last part (`--rl.draft.no-online`)."""
   moved = moved_fields(cls)
   if not moved:
     return
@@ -158,18 +183,24 @@ def _refuse_moved_flags(cls: type, args: Sequence[str]) -> None:
     if path in moved:
       *new_head, new_last = moved[path].replace("_", "-").split(".")
       new = ".".join(new_head + [("no-" if negated else "") + new_last])
-      raise SystemExit(f"--{flag}: moved to --{new}")
+      refuse(f"--{flag}: moved to --{new}")
 
 
 def apply_yaml(cfg: T, yaml_path: str, where: str | None = None) -> T:
   """`cfg` with the values of a YAML file nested like its dataclasses."""
   import yaml
 
+  if not os.path.isfile(yaml_path):
+    refuse(f"--config: {yaml_path} " + ("is not a file" if os.path.exists(yaml_path)
+                                        else "does not exist"))
   with open(yaml_path) as f:
     try:
       data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as e:
-      raise ValueError(f"{yaml_path}: not valid YAML ({e})") from None
+    except yaml.YAMLError as e:  # its message spans lines: keep the position only
+      mark = getattr(e, "problem_mark", None)
+      at = f":{mark.line + 1}" if mark is not None else ""
+      problem = getattr(e, "problem", None) or type(e).__name__
+      refuse(f"{yaml_path}{at}: not valid YAML ({problem})")
   cls = type(cfg)
   where = where or f"{yaml_path}: {cls.__name__}"
   _refuse_moved_keys(cls, data, where)
@@ -178,7 +209,7 @@ def apply_yaml(cfg: T, yaml_path: str, where: str | None = None) -> T:
   except ValueError as e:  # a range check in __post_init__ names the field, not the file
     if str(e).startswith(f"{yaml_path}:"):
       raise
-    raise ValueError(f"{yaml_path}: {e}") from None
+    refuse(f"{yaml_path}: {e}")
 
 
 def apply_cli(cfg: T, args: Sequence[str], **tyro_kw: Any) -> T:
@@ -186,7 +217,13 @@ def apply_cli(cfg: T, args: Sequence[str], **tyro_kw: Any) -> T:
   import tyro
 
   _refuse_moved_flags(type(cfg), args)
-  return tyro.cli(type(cfg), default=cfg, args=list(args), **tyro_kw)
+  token = _IN_CLI.set(True)
+  try:
+    return tyro.cli(type(cfg), default=cfg, args=list(args), **tyro_kw)
+  except _Refused as e:  # with the traceback down to the failed check (--debug shows it)
+    raise e.error.with_traceback(e.__traceback__) from None
+  finally:
+    _IN_CLI.reset(token)
 
 
 def load(cls: type[T], yaml_path: str | None = None, cli_args: Sequence[str] | None = (),
@@ -213,7 +250,5 @@ def parse_args(defaults: T, argv: Sequence[str] | None = None, **tyro_kw: Any) -
   yaml_path, rest = split_config_flag(sys.argv[1:] if argv is None else argv)
   cfg = defaults
   if yaml_path:
-    if not os.path.exists(yaml_path):
-      raise FileNotFoundError(f"--config: {yaml_path} does not exist")
     cfg = apply_yaml(cfg, yaml_path, f"{yaml_path}: {type(cfg).__name__}")
   return apply_cli(cfg, rest, **tyro_kw)

@@ -1,7 +1,10 @@
-"""Checkpoints: round trip of the whole train state, keep-last-N, and interrupted saves that must
-never cost the last good checkpoint."""
+"""Checkpoints: round trip of the whole train state, keep-last-N, interrupted saves that must
+never cost the last good checkpoint, and restores that fall back only past a damaged one."""
 
+import errno
+import glob
 import os
+import re
 import shutil
 
 import jax
@@ -13,8 +16,9 @@ from flax import nnx
 from specjax.drafters.head import init_head
 from specjax.drafters.vocab import identity_maps
 from specjax.models import Decoder, ModelConfig
+from specjax.errors import UserError
 from specjax.rl.checkpoint import (CheckpointExists, CheckpointMismatch, Checkpointer,
-                                   NonFiniteState, run_identity)
+                                   DamagedCheckpoint, NonFiniteState, run_identity)
 from specjax.rl.config import DraftConfig, RLConfig
 from specjax.rl.train_step import Trainer
 from specjax.sharding import MeshConfig, make_mesh
@@ -104,6 +108,96 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
   _assert_same(restored, older)
   # the damaged step was moved aside: the resumed run saves that step again
   assert ckpt.save(2, newer, rng=jax.random.PRNGKey(2), data_position=16)
+  ckpt.close()
+
+
+def _two_steps(directory):
+  ckpt = Checkpointer(str(directory), keep=3)
+  for step in (1, 2):
+    ckpt.save(step, {"w": jnp.full((64,), float(step))}, rng=jax.random.PRNGKey(step),
+              data_position=8 * step)
+  return ckpt
+
+
+def _truncate(path):
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def _flip_bytes(path):
+  data = bytearray(open(path, "rb").read())
+  for i in range(len(data) // 3, len(data)):
+    data[i] ^= 0x5A
+  open(path, "wb").write(bytes(data))
+
+
+# (what is damaged, the damage, the reason the warning gives)
+DAMAGE = [("meta/metadata", _truncate, r"meta/metadata does not parse"),
+          ("meta/metadata", os.remove, r"meta/metadata is missing"),
+          ("state/manifest.ocdbt", _flip_bytes, r"state/manifest.ocdbt does not decode"),
+          ("state/d/*", os.remove, r"state/d/\w+ is missing"),
+          ("state/d/*", _truncate, r"state/d/\w+ is shorter than its manifest says"),
+          ("state/d/*", _flip_bytes, r"state/d/\w+ does not decode")]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("pattern,damage,reason", DAMAGE,
+                         ids=[f"{p}-{d.__name__}" for p, d, _ in DAMAGE])
+def test_a_damaged_file_of_the_newest_checkpoint_is_named_and_set_aside(tmp_path, pattern,
+                                                                       damage, reason):
+  ckpt = _two_steps(tmp_path)
+  for path in glob.glob(str(tmp_path / "2" / pattern)):
+    damage(path)
+  with pytest.warns(UserWarning, match=rf"checkpoint 2 in {re.escape(str(tmp_path))} does not "
+                                       rf"restore: it is damaged \({reason}.*\); moved to "
+                                       rf".*damaged-2-\d+, resuming from checkpoint 1$"):
+    _, meta = ckpt.restore({"w": jnp.zeros((64,))})
+  assert meta["step"] == 1
+  assert [n for n in os.listdir(tmp_path) if n.isdigit()] == ["1"]
+  ckpt.close()
+
+
+@pytest.mark.parametrize("error", [
+    lambda d: OSError(errno.EIO, os.strerror(errno.EIO)),
+    lambda d: RuntimeError("Sharding of the restored array does not match the device mesh"),
+    lambda d: ValueError(f'UNKNOWN: Error reading local file "{d}/2/state/manifest.ocdbt": '
+                         f'[OS error 5: Input/output error]'),
+], ids=["eio", "sharding", "tensorstore-io"])
+def test_a_restore_error_that_proves_no_damage_stops_the_restore_and_moves_nothing(tmp_path,
+                                                                                  monkeypatch,
+                                                                                  error):
+  ckpt = _two_steps(tmp_path)
+  real, failures = ckpt.manager.restore, []
+
+  def flaky(step, *a, **kw):  # fails once, on the newest step
+    if step == 2 and not failures:
+      failures.append(error(tmp_path))
+      raise failures[0]
+    return real(step, *a, **kw)
+
+  monkeypatch.setattr(ckpt.manager, "restore", flaky)
+  with pytest.raises(Exception) as err:
+    ckpt.restore({"w": jnp.zeros((64,))})
+  assert err.value is failures[0]
+  assert any("no checkpoint moved" in note for note in err.value.__notes__)
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+  # the error was transient: the next restore resumes from the newest step, as it should
+  restored, meta = ckpt.restore({"w": jnp.zeros((64,))})
+  assert meta["step"] == 2 and float(restored["w"][0]) == 2.0
+  ckpt.close()
+
+
+def test_when_every_checkpoint_is_damaged_restore_stops_rather_than_start_over(tmp_path):
+  ckpt = _two_steps(tmp_path)
+  for step in (1, 2):
+    _truncate(tmp_path / str(step) / "meta" / "metadata")
+  with pytest.raises(UserError, match=rf"every checkpoint in {re.escape(str(tmp_path))} is "
+                                      rf"damaged \(2: meta/metadata does not parse.*; 1: "
+                                      rf"meta/metadata does not parse.*\); nothing was moved"):
+    ckpt.restore({"w": jnp.zeros((64,))})
+  assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+  with pytest.raises(DamagedCheckpoint, match="checkpoint 1 .* is damaged"):
+    ckpt.restore({"w": jnp.zeros((64,))}, step=1)
   ckpt.close()
 
 

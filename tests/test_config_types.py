@@ -4,6 +4,7 @@ names the field (and the file), never a value silently taken."""
 import pytest
 
 from specjax.config_tree import parse_args
+from specjax.errors import UserError
 from specjax.jobs.config import ExperimentConfig
 from specjax.rl.config import load_config
 
@@ -97,7 +98,7 @@ def test_a_yaml_key_at_a_moved_path_is_refused_naming_the_new_key(tmp_path):
      "--rl.rollout.train-width-block: moved to --rl.train.width-block"),
 ])
 def test_a_cli_flag_at_a_moved_path_is_refused_naming_the_new_flag(args, shown):
-  with pytest.raises(SystemExit, match=f"^{shown}$"):
+  with pytest.raises(UserError, match=f"^{shown}$"):
     parse_args(ExperimentConfig(), args)
   cfg = parse_args(ExperimentConfig(), ["--rl.train.no-packing", "--rl.train.width-block", "8"])
   assert not cfg.rl.train.packing and cfg.rl.train.width_block == 8

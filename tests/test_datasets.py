@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from specjax.errors import UserError
 from specjax.rl.tasks.math_data import load_math_dataset
 
 ROWS = [{"question": f"what is {i} plus 1 ?", "answer": f"{i} plus 1 . #### {i + 1}"}
@@ -96,14 +97,43 @@ def test_missing_columns_name_the_file_and_the_columns_present(tmp_path, cache, 
 
 
 def test_missing_sources_and_unknown_file_types_are_named(tmp_path, cache):
-  with pytest.raises(FileNotFoundError, match="nope.jsonl does not exist"):
+  with pytest.raises(UserError, match="nope.jsonl does not exist"):
     load_math_dataset(str(tmp_path / "nope.jsonl"))
   (tmp_path / "d.csv").write_text("a,b\n")
-  with pytest.raises(ValueError, match=r"d\.csv: unknown file type '\.csv'"):
+  with pytest.raises(UserError, match=r"d\.csv: unknown file type '\.csv'"):
     load_math_dataset(str(tmp_path / "d.csv"))
   (tmp_path / "empty").mkdir()
-  with pytest.raises(FileNotFoundError, match="no data file"):
+  with pytest.raises(UserError, match="no data file"):
     load_math_dataset(str(tmp_path / "empty"))
+
+
+def test_unreadable_files_name_the_file_and_the_line(tmp_path, cache):
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text(json.dumps(ROWS[0]) + "\n\n" + '{"question": "x",\n')
+  with pytest.raises(UserError, match=rf"^{bad}:3: invalid JSON"):
+    load_math_dataset(str(bad), cache_dir=cache)
+  listed = tmp_path / "bad.json"
+  listed.write_text('[\n  {"question": "x", "answer": "#### 1"},\n  {"question": }\n]')
+  with pytest.raises(UserError, match=rf"^{listed}:3: invalid JSON"):
+    load_math_dataset(str(listed), cache_dir=cache)
+  (tmp_path / "d.parquet").write_bytes(b"PAR1 cut short")
+  with pytest.raises(UserError, match=rf"^{tmp_path / 'd.parquet'}: not a readable parquet file"):
+    load_math_dataset(str(tmp_path / "d.parquet"), cache_dir=cache)
+
+
+def test_an_empty_dataset_and_rows_of_the_wrong_shape_are_named(tmp_path, cache):
+  (tmp_path / "empty.jsonl").write_text("\n")
+  with pytest.raises(UserError, match=r"empty.jsonl: the dataset has no rows"):
+    load_math_dataset(str(tmp_path / "empty.jsonl"), cache_dir=cache)
+  for row, message in ((dict(ROWS[0], question={"text": "x"}), "field 'question' must be a string"),
+                       (dict(ROWS[0], answer=None), "missing field 'answer'"),
+                       ([1, 2], "expected a JSON object, got list")):
+    path = _jsonl(tmp_path / "d.jsonl", [ROWS[0], row])
+    with pytest.raises(UserError, match=rf"d.jsonl:2: {message}"):
+      load_math_dataset(str(path), cache_dir=cache)
+  path = _jsonl(tmp_path / "d.jsonl", [dict(ROWS[0], answer=72.0)])  # a number is its text
+  with pytest.raises(UserError, match=r"d.jsonl:1: field 'answer' has no '#### <final answer>'"):
+    load_math_dataset(str(path), cache_dir=cache)
 
 
 def test_the_committed_gsm8k_fixture_has_a_dozen_rows():

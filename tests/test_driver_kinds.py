@@ -13,6 +13,7 @@ import specjax.models.export as export_module
 from experiments import rl_zero
 from specjax.drafters.checkpoint import load_draft_head
 from specjax.drafters.mtp import checkpoint_has_mtp
+from specjax.errors import UserError
 from specjax.models.hf import load_pretrained, load_tokenizer
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
@@ -122,7 +123,7 @@ def test_a_dataset_is_visited_whole_not_through_the_embedded_tasks_prompt_pool()
 
 
 def test_bad_paths_are_errors_that_name_the_field(tmp_path):
-  with pytest.raises(FileNotFoundError, match="DraftConfig.path"):
+  with pytest.raises(UserError, match="DraftConfig.path"):
     rl_zero.main(["--model-path", QWEN3, "--dataset", GSM8K, "--rl.draft.kind", "eagle3",
                   "--rl.draft.path", str(tmp_path / "missing"), "--out-dir", str(tmp_path / "a"),
                   *TINY])

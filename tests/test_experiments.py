@@ -85,11 +85,12 @@ def test_scratchpad_task_writes_partial_results_and_scores_the_final_answer():
 
 
 def test_bad_experiment_config_is_a_clear_error(tmp_path):
+  from specjax.errors import UserError
   from specjax.jobs.config import BaseModelConfig, ExperimentConfig, parse_config
 
   with pytest.raises(ValueError, match="BaseModelConfig.bias"):
     BaseModelConfig(bias=1.5)
-  with pytest.raises(FileNotFoundError, match="--config"):
+  with pytest.raises(UserError, match="--config: .*missing.yaml does not exist"):
     parse_config(ExperimentConfig(), ["--config", str(tmp_path / "missing.yaml")])
   yaml_file = tmp_path / "bad.yaml"
   yaml_file.write_text("rl:\n  stepz: 3\n")

@@ -17,6 +17,7 @@ from flax import nnx
 from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
 from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
                               history_lookup, prompt_key, prompt_keys, truncated_copy)
+from specjax.errors import UserError
 from specjax.models import Decoder
 from specjax.models.decoder import DecoderOutput
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, Sequences, generate,
@@ -84,6 +85,30 @@ def test_the_store_keeps_each_prompts_latest_completions_within_its_caps():
     HistoryStore(max_prompts=3, per_prompt=3, width=6, tail=2).load_json(store.to_json())
   with pytest.raises(ValueError, match="HistoryStore.width"):
     HistoryStore(max_prompts=3, per_prompt=2, width=2, tail=2)
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda d: d.pop("prompts"), r"no 'prompts'"),
+    (lambda d: d.update(recorded="7"), r"'recorded' is '7', not an int"),
+    (lambda d: d["prompts"][0].pop("entries"), r"prompts\[0\] has no 'entries'"),
+    (lambda d: d["prompts"][1]["entries"].__setitem__(1, [1, "x"]),
+     r"prompts\[1\].entries\[1\] is not a list of token ids"),
+    (lambda d: d["prompts"][0].update(slot=5), r"prompts\[0\].slot 5 is out of \[0, 3\)"),
+    (lambda d: d["prompts"][0]["entries"][0].extend([1] * 9),
+     r"prompts\[0\].entries\[0\] has \d+ tokens \(at most 6\)"),
+], ids=["no-prompts", "recorded-str", "no-entries", "bad-token", "bad-slot", "long-entry"])
+def test_a_malformed_saved_history_names_what_is_wrong_and_leaves_the_store_as_it_was(damage,
+                                                                                      problem):
+  store = HistoryStore(max_prompts=3, per_prompt=2, width=6, tail=2)
+  store.record(np.array([[5, 6, 7], [8, 9, 0]]), np.array([3, 2]), np.full((2, 4), 20),
+               np.array([2, 3]))
+  saved = store.to_json()
+  damage(saved)
+  before = store.to_json()
+  with pytest.raises(UserError, match=rf"HistoryStore: the saved drafting history is malformed "
+                                      rf"\({problem}.*\); resume from another checkpoint"):
+    store.load_json(saved)
+  assert store.to_json() == before
 
 
 def test_history_lookup_continues_the_occurrence_aligned_with_the_row():

@@ -16,7 +16,7 @@ import pytest
 
 from specjax.models import paged
 from specjax.models.layers import attend, attend_cache, causal_mask
-from specjax.sampling import pages
+from specjax.sampling import pages, paging
 from specjax.sampling.pages import NO_PAGE, PADDING_ROW, PageAllocator
 
 HKV, DH, PAGE = 2, 16, 4
@@ -482,3 +482,41 @@ def test_allocator_errors_name_the_argument():
   with pytest.raises(ValueError, match="page_size must be a positive int"):
     PageAllocator(num_pages=4, page_size=0)
 
+
+
+def test_a_row_that_cannot_grow_always_finds_rows_to_swap_out_for_it():
+  """What the engine's swap relies on: from any state, a row that cannot grow to a length the
+  pool holds (grow gives False, not an error) has preemption candidates that free enough."""
+  rng = np.random.default_rng(0)
+  checked = 0
+  for _ in range(200):
+    alloc = PageAllocator(num_pages=int(rng.integers(2, 12)), page_size=PAGE)
+    for row in range(int(rng.integers(1, 6))):  # own pages, or a group's shared prompt pages
+      if alloc.rows and rng.random() < 0.5:
+        src = alloc.rows[int(rng.integers(len(alloc.rows)))]
+        alloc.share_prefix(src, [row], int(rng.integers(0, alloc.row_tokens(src) + 1)))
+      else:
+        alloc.admit(row, int(rng.integers(0, 2 * PAGE)))
+    for row in alloc.rows:
+      held = len(alloc.row_pages(row))
+      length = int(rng.integers(0, alloc.num_pages * PAGE + 1))
+      if alloc.grow(row, length):
+        continue
+      victims = alloc.preempt_candidates(alloc.pages_for(length) - held, keep=(row,))
+      assert victims, (row, length, alloc.rows, alloc.free_pages)
+      checked += 1
+  assert checked > 50
+
+
+@pytest.mark.parametrize("found", [None, []], ids=["none", "empty"])
+def test_a_swap_that_finds_no_row_to_swap_out_is_an_internal_error_that_changes_nothing(
+    monkeypatch, found):
+  rep = paging.ReplicaPages(num_pages=4, page_size=PAGE, cache_size=4 * PAGE, page_ahead=PAGE)
+  assert rep.alloc.admit(0, 2 * PAGE) and rep.alloc.admit(1, PAGE)
+  monkeypatch.setattr(rep.alloc, "preempt_candidates", lambda need, keep=(): found)
+  with pytest.raises(RuntimeError, match=re.escape(
+      f"no row to swap out for slot 0 (candidates: {found}), which needs 1 more pages for 9 + 2 "
+      f"tokens; 1 of 4 pages free, pages held by slot (oldest admission first) {{0: 2, 1: 1}}, "
+      f"swapped out []")):
+    rep._swap_out((), 0, 2 * PAGE + 1, 2)
+  assert rep.alloc.rows == (0, 1) and rep.alloc.free_pages == 1 and not rep.swapped

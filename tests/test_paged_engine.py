@@ -268,12 +268,12 @@ def test_a_groups_samples_share_their_prompt_pages(target, page_checks, num_page
 
 
 def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
-  with pytest.raises(ValueError, match="kv_cache_gb.*one row needs up to 8 pages"):
+  with pytest.raises(ValueError, match="kv_cache_gb.*one row needs 8 pages"):
     generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=paged(7))
   # a draft model as large as the target: each page holds its KV too, so 8 pages' worth of
   # target memory holds 4 pages
   drafter, params = DraftModelDrafter.from_model(target, 3)
-  with pytest.raises(ValueError, match="kv_cache_gb.*holds 4 pages.*one row needs up to 9"):
+  with pytest.raises(ValueError, match="kv_cache_gb.*holds 4 pages.*one row needs 9"):
     speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
                          GREEDY, engine=paged(8))
   with pytest.raises(ValueError, match="EngineConfig.page_size"):

@@ -1,7 +1,8 @@
 """Runs that survive a cluster: a stop signal ends a run at a step boundary with a checkpoint and
 the resumed run equals an uninterrupted one (sync and async, default adaptive engine); a failed
 checkpoint write stops the run with one clear error and keeps the last good checkpoint; one seed
-gives one trajectory; the command-line job exits with its documented code on SIGTERM."""
+gives one trajectory; the command-line job exits with its documented code on SIGTERM, and a second
+signal exits at once with 128 + its number."""
 
 import errno
 import json
@@ -201,13 +202,52 @@ def test_step_boundary_saves_by_steps_and_by_wall_time_and_costs_round_trip(tmp_
   b.saved()
   assert b.poll(5) == (False, False)
   cache = CostCache(str(tmp_path / "c.json"))
-  assert cache.put_if_absent(("p", 2, 1), 0.5, 0.1) == (0.5, 0.1)
-  assert cache.put_if_absent(("p", 2, 1), 0.7, 0.2) == (0.5, 0.1)  # the first value stays
+  assert cache.put(("p", 2, 1), (0.5, 0.1)) == (0.5, 0.1)
+  assert cache.put(("p", 2, 1), (0.7, 0.2)) == (0.5, 0.1)  # the first value stays
   table = CostTable(CostCache(str(tmp_path / "c.json")))
   assert table.step_cost(("p", 2, 1), lambda m: pytest.fail("measured a cached cost"), 2, 1) == 0.5
   t = EngineTuning()
   t.load_json(EngineTuning(costs=table).to_json())
   assert t.costs.rows() == table.rows()
+
+
+# a process holding the stop-signal handlers, as a run does: it reports ready, then answers each
+# line on stdin with the signal received so far
+STOP_SIGNALS_PROCESS = """
+import sys
+from specjax.rl.preemption import StopSignals
+signals = StopSignals.acquire(["SIGTERM", "SIGINT", "SIGUSR1"])
+print("ready", flush=True)
+for _ in sys.stdin:
+  print(signals.received, flush=True)
+"""
+
+
+def test_a_first_stop_signal_only_sets_the_flag_and_a_second_exits_at_once_with_128_plus_n():
+  proc = subprocess.Popen([sys.executable, "-c", STOP_SIGNALS_PROCESS], cwd=ROOT, text=True,
+                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  try:
+    assert proc.stdout.readline() == "ready\n"
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 30
+    while True:  # the handler runs in the process's own time
+      proc.stdin.write("?\n")
+      proc.stdin.flush()
+      if proc.stdout.readline() == "SIGTERM\n":
+        break
+      assert time.monotonic() < deadline, "the first SIGTERM never set the flag"
+      time.sleep(0.01)
+    assert proc.poll() is None  # the run would finish its step and save
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+    err = proc.stderr.read()
+    assert "received SIGTERM: finishing the step in flight" in err
+    assert "second signal (SIGTERM): exiting at once" in err
+  finally:
+    proc.kill()
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+      pipe.close()
 
 
 def test_the_command_line_job_exits_75_on_sigterm_and_resumes_with_every_step_once(tmp_path):

@@ -7,9 +7,10 @@ import sys
 import pytest
 from flax import nnx
 
+from specjax.errors import UserError
 from specjax.jobs.config import ExperimentConfig
-from specjax.jobs.run_dir import (Replacement, check_flags, check_model_dir, check_policy,
-                                        claim_run_dir, run_paths)
+from specjax.jobs.run_dir import (Replacement, check_flags, check_kv_budget, check_model_dir,
+                                  check_policy, claim_run_dir, run_paths)
 from specjax.models import CharTokenizer, Decoder, ModelConfig, save_pretrained
 from specjax.rl.async_rl.config import AsyncConfig
 from specjax.rl.config import CheckpointConfig, RLConfig
@@ -39,10 +40,41 @@ def test_an_existing_run_is_refused_without_resume_or_fresh(tmp_path):
   out.mkdir()
   claim_run_dir(str(out), resume=False, fresh=False)  # an empty directory is no run
   (out / "summary.json").write_text("{}")
-  with pytest.raises(FileExistsError, match=r"holds an earlier run.*--resume.*--fresh"):
+  with pytest.raises(UserError, match=r"holds an earlier run.*--resume.*--fresh"):
     claim_run_dir(str(out), resume=False, fresh=False)
   claim_run_dir(str(out), resume=True, fresh=False)
   claim_run_dir(str(out), resume=False, fresh=True)
+
+
+def test_an_out_dir_that_is_or_lies_under_a_file_is_refused_naming_the_file(tmp_path):
+  (tmp_path / "a-file").write_text("")
+  for out in (tmp_path / "a-file", tmp_path / "a-file" / "exp"):
+    with pytest.raises(UserError, match=rf"ExperimentConfig.out_dir: {tmp_path / 'a-file'} is a "
+                                        r"file, not a directory"):
+      claim_run_dir(str(out), resume=True, fresh=False)
+  claim_run_dir(str(tmp_path / "new" / "exp"), resume=False, fresh=False)  # made later
+  assert not (tmp_path / "new").exists()
+
+
+def test_a_kv_budget_no_row_fits_in_is_refused_from_the_config_as_the_engine_would():
+  from specjax.rl.config import RolloutConfig
+  from specjax.sampling.paging import bytes_per_page, pool_size
+
+  def cfg(gb, max_prompt_len=0):
+    return ExperimentConfig(rl=RLConfig(rollout=RolloutConfig(
+        kv_cache_gb=gb, max_new_tokens=40, page_size=16, max_prompt_len=max_prompt_len)))
+
+  page = bytes_per_page(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, 16, "float32")
+  with pytest.raises(UserError, match=r"RolloutConfig.kv_cache_gb: .* holds 2 pages of 16 tokens"
+                                      r".* one row needs 3 pages \(41 positions: a prompt of >= 1 "
+                                      r"\+ max_new_tokens 40\); raise it"):
+    check_kv_budget(cfg(2.5 * page / 2**30), MODEL, task=None)
+  with pytest.raises(UserError):  # the engine refuses the same pool for the shortest prompt
+    pool_size(2.5 * page / 2**30, page, 16, 1 + 40)
+  check_kv_budget(cfg(3.5 * page / 2**30), MODEL, task=None)
+  with pytest.raises(UserError, match=r"one row needs 4 pages \(60 positions: a prompt of >= 20 "):
+    check_kv_budget(cfg(3.5 * page / 2**30, max_prompt_len=20), MODEL, task=None)
+  check_kv_budget(cfg(0.0), MODEL, task=None)  # dense caches
 
 
 def test_bad_flag_combinations_are_named_before_anything_runs():
@@ -130,7 +162,7 @@ def test_rl_zero_gives_each_run_its_checkpoints_refuses_a_rerun_and_fresh_waits_
   # one shared --rl.checkpoint.dir: each run writes (and resumes from) its own subdirectory
   assert sorted(os.listdir(tmp_path / "ckpt")) == ["ar", "spec"]
   assert os.listdir(tmp_path / "ckpt" / "ar") == ["1"] == os.listdir(tmp_path / "ckpt" / "spec")
-  with pytest.raises(FileExistsError, match="--resume .* --fresh"):
+  with pytest.raises(UserError, match="--resume .* --fresh"):
     rl_zero.main(base)
   # --fresh with a mesh that does not fit: refused before the earlier run is touched
   with pytest.raises(ValueError, match="RLConfig.mesh.tensor"):

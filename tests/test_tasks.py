@@ -1,7 +1,9 @@
 """Tasks and verifiers: the arithmetic generator, GSM8K / DAPO-Math loaders with file:line errors,
-chat templates, math-verify rewards under a timeout, the registry."""
+chat templates, math-verify rewards under a timeout (a worker process off the main thread), the
+registry."""
 
 import json
+import os
 import threading
 
 import numpy as np
@@ -14,7 +16,10 @@ from specjax.rl.tasks.arithmetic import ArithmeticTask, evaluate
 from specjax.rl.tasks.trace import TraceTask, trace_text
 from specjax.rl.tasks.math_data import (FALLBACK_TEMPLATE, MathDatasetTask, load_math_dataset,
                                         render_chat)
+from specjax.rl.tasks import rewards
 from specjax.rl.tasks.rewards import exact_answer_reward, extract_answer, math_verify_reward
+from specjax.rl.verify_worker import (CallFailed, CallTimeout, TimedWorker, WorkerDied,
+                                      WorkerStartError)
 
 TOK = CharTokenizer()
 
@@ -184,12 +189,72 @@ def test_math_verify_reward_accepts_equivalent_answers_and_never_raises():
   assert math_verify_reward("\\boxed{71}", "72") == 0.0
   assert math_verify_reward("\\boxed{\\frac{", "72") == 0.0  # malformed LaTeX
   assert math_verify_reward("", "\\sqrt{2}") == 0.0
+
+
+def _alive(pid):
+  return os.path.exists(f"/proc/{pid}")  # a process not reaped yet (a zombie) still has an entry
+
+
+HANGS = "$\\boxed{9^{9^{9^{9}}}}$"  # sympy computes with the number: math-verify never returns
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_math_verify_reward_off_the_main_thread_scores_in_a_worker_process_that_leaks_nothing():
   out = []
-  worker = threading.Thread(target=lambda: out.append(math_verify_reward("\\boxed{72}", "72",
-                                                                         timeout_s=5.0)))
-  worker.start()
-  worker.join()
-  assert out == [1.0]  # off the main thread too (math-verify's own timeout needs the main thread)
+
+  def rollout_thread():  # math-verify's own timeouts need the main thread: a worker process here
+    out.append(math_verify_reward("\\boxed{72}", "72"))
+    out.append(math_verify_reward("\\boxed{71}", "72"))
+    for _ in range(2):
+      out.append(math_verify_reward(HANGS, "1", timeout_s=0.2))
+    out.append(math_verify_reward("Thus the answer is $\\boxed{\\frac{1}{2}}$.", "0.5"))
+
+  threads, restarts = threading.active_count(), rewards._verifier().restarts
+  caller = threading.Thread(target=rollout_thread)
+  caller.start()
+  caller.join()
+  assert out == [1.0, 0.0, 0.0, 0.0, 1.0]
+  assert threading.active_count() == threads
+  verifier = rewards._verifier()
+  assert verifier.restarts == restarts + 2  # one fresh process per timeout
+  pid = verifier.pid
+  rewards.close_verifier()
+  assert verifier.pid is None and not _alive(pid)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads /proc")
+def test_timed_out_calls_kill_and_replace_the_worker_process_and_leave_no_thread_behind():
+  worker = TimedWorker("time:sleep")
+  assert worker.call(0, timeout=30) is None  # started: the start is not counted in a timeout
+  threads = threading.active_count()
+  for _ in range(5):
+    stuck = worker.pid
+    with pytest.raises(CallTimeout, match="did not return within 0.2 s"):
+      worker.call(60, timeout=0.2)
+    assert not _alive(stuck) and worker.pid != stuck  # killed, reaped and replaced at once
+    assert threading.active_count() == threads
+  assert worker.call(0, timeout=30) is None  # the replacement answers
+  with pytest.raises(CallFailed, match="TypeError"):  # a call that raises keeps its process
+    worker.call("soon", timeout=30)
+  last = worker.pid
+  assert worker.call(0, timeout=30) is None and worker.pid == last
+  worker.close()
+  assert worker.pid is None and not _alive(last) and threading.active_count() == threads
+
+
+def test_a_worker_process_that_dies_during_a_call_is_reported_and_replaced():
+  worker = TimedWorker("os:_exit")
+  with pytest.raises(WorkerDied, match=r"died during the call \(exit code 3\)"):
+    worker.call(3, timeout=30)
+  assert worker.restarts == 1 and worker.pid is not None
+  worker.close()
+
+
+def test_a_worker_process_that_cannot_start_is_an_error_not_a_zero_score():
+  worker = TimedWorker("specjax.no_such_module:check")
+  with pytest.raises(WorkerStartError, match="could not start: ModuleNotFoundError"):
+    worker.call("x", timeout=5)
+  assert worker.pid is None
 
 
 def test_a_scorer_that_raises_gives_reward_zero_and_an_error_message():

@@ -21,8 +21,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from specjax.drafters.head import Eagle3Head, HeadConfig
+from specjax.errors import UserError
 from specjax.drafters.vocab import VocabMaps, identity_maps
 from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.tokenizer import read_json
 
 FORMAT = "specjax.eagle3/1"
 
@@ -37,8 +39,8 @@ def _config_to_json(cfg: HeadConfig) -> dict:
 
 def _config_from_json(meta: dict) -> HeadConfig:
   if meta.get("format") != FORMAT:
-    raise ValueError(f"load_head: unknown checkpoint format {meta.get('format')!r} "
-                     f"(expected {FORMAT!r})")
+    raise UserError(f"load_head: unknown checkpoint format {meta.get('format')!r} "
+                    f"(expected {FORMAT!r})")
   target = dict(meta["target"])
   if target.get("rope_scaling") is not None:
     target["rope_scaling"] = RopeScaling(**target["rope_scaling"])
@@ -72,13 +74,17 @@ def load_head(path: str, target_cfg: ModelConfig | None = None) -> tuple[Eagle3H
   """(head, maps) from `save_head`'s directory; with `target_cfg`, check the head fits it."""
   path = os.path.abspath(path)
   ckpt = _checkpointer()
-  meta = ckpt.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  try:
+    meta = ckpt.restore(path, ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+  except (KeyError, FileNotFoundError, ValueError) as e:  # orbax's errors for a foreign dir
+    raise UserError(f"draft head: {path} is neither a head of specjax's save_head nor a community "
+                    f"EAGLE-3 directory ({type(e).__name__}: {e})") from None
   cfg = _config_from_json(meta)
   if target_cfg is not None:
     for name in ("vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim"):
       if getattr(target_cfg, name) != getattr(cfg.target, name):
-        raise ValueError(f"load_head: head trained for {name}={getattr(cfg.target, name)}, "
-                         f"target has {getattr(target_cfg, name)}")
+        raise UserError(f"load_head: head trained for {name}={getattr(cfg.target, name)}, "
+                        f"target has {getattr(target_cfg, name)}")
   abstract = nnx.eval_shape(lambda: Eagle3Head(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   n, v = cfg.draft_vocab, cfg.target.vocab_size
@@ -101,8 +107,7 @@ def is_eagle3_hf_dir(path: str) -> bool:
   file = os.path.join(path, "config.json")
   if not os.path.isfile(file):
     return False
-  with open(file) as f:
-    archs = json.load(f).get("architectures") or []
+  archs = read_json(file).get("architectures") or []
   return any(a in EAGLE3_ARCHITECTURES for a in archs)
 
 
@@ -116,14 +121,13 @@ def eagle3_aux_layers(path: str, num_layers: int) -> tuple[int, ...] | None:
   eagle_config.eagle_aux_hidden_state_layer_ids, so specjax's index is theirs + 1. Pass the
   result as `aux_layers=` when loading the policy."""
   file = os.path.join(path, "config.json")
-  with open(file) as f:
-    ids = (json.load(f).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+  ids = (read_json(file).get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
   if ids is None:
     return None
   ours = tuple(int(i) + 1 for i in ids)
   if any(not 0 <= i < num_layers for i in ours):
-    raise ValueError(f"{file}: eagle_aux_hidden_state_layer_ids {list(ids)} name outputs of layers "
-                     f"outside [0, {num_layers - 1}) of a {num_layers}-layer policy")
+    raise UserError(f"{file}: eagle_aux_hidden_state_layer_ids {list(ids)} name outputs of layers "
+                    f"outside [0, {num_layers - 1}) of a {num_layers}-layer policy")
   return ours
 
 
@@ -134,7 +138,7 @@ def _head_target(hc: dict, target_cfg: ModelConfig, file: str) -> ModelConfig:
 
   def need(cond, msg):
     if not cond:
-      raise ValueError(f"{file}: {msg}")
+      raise UserError(f"{file}: {msg}")
 
   d = int(hc["hidden_size"])
   need(d == target_cfg.hidden_size, f"hidden_size={d}, the policy has {target_cfg.hidden_size}")
@@ -153,9 +157,9 @@ def _head_target(hc: dict, target_cfg: ModelConfig, file: str) -> ModelConfig:
   heads = int(hc["num_attention_heads"])
   aux = eagle3_aux_layers(os.path.dirname(file), target_cfg.num_layers)
   if aux is not None and aux != target_cfg.aux_layer_ids:
-    raise ValueError(f"{file}: the head was trained on the inputs of policy layers {list(aux)} "
-                     f"(eagle_aux_hidden_state_layer_ids + 1), the policy exports "
-                     f"{list(target_cfg.aux_layer_ids)}; load the policy with aux_layers={aux}")
+    raise UserError(f"{file}: the head was trained on the inputs of policy layers {list(aux)} "
+                    f"(eagle_aux_hidden_state_layer_ids + 1), the policy exports "
+                    f"{list(target_cfg.aux_layer_ids)}; load the policy with aux_layers={aux}")
   return target_cfg.replace(
       num_heads=heads, num_kv_heads=int(hc.get("num_key_value_heads") or heads),
       head_dim=int(hc.get("head_dim") or d // heads), mlp_hidden=int(hc["intermediate_size"]),
@@ -228,29 +232,30 @@ def load_eagle3_hf(path: str, target_cfg: ModelConfig, *,
   path = os.path.abspath(path)
   file = os.path.join(path, "config.json")
   if not is_eagle3_hf_dir(path):
-    raise ValueError(f"{file}: not an EAGLE-3 head (architectures must name one of "
-                     f"{list(EAGLE3_ARCHITECTURES)})")
-  with open(file) as f:
-    hc = json.load(f)
-  n = int(hc.get("draft_vocab_size") or hc["vocab_size"])
+    raise UserError(f"{file}: not an EAGLE-3 head (architectures must name one of "
+                    f"{list(EAGLE3_ARCHITECTURES)})")
+  hc = read_json(file)
   tensors = _read_tensors(path)
-  if "midlayer.self_attn.q_norm.weight" in tensors:
-    head_target = _head_target(hc, target_cfg, file).replace(qk_norm=True)
-  else:
+  try:
+    n = int(hc.get("draft_vocab_size") or hc["vocab_size"])
     head_target = _head_target(hc, target_cfg, file)
+  except KeyError as e:
+    raise UserError(f"{file}: missing field {e.args[0]!r}") from None
+  if "midlayer.self_attn.q_norm.weight" in tensors:
+    head_target = head_target.replace(qk_norm=True)
   cfg = HeadConfig(head_target, n)
   table = _head_tensor_map(cfg)
   extra = sorted(set(tensors) - set(table) - {"d2t", "t2d", "embed_tokens.weight"})
   if extra:
-    raise ValueError(f"{path}: tensors with no place in the EAGLE-3 head: {extra[:5]}")
+    raise UserError(f"{path}: tensors with no place in the EAGLE-3 head: {extra[:5]}")
   head = nnx.eval_shape(lambda: Eagle3Head(cfg, rngs=nnx.Rngs(0)))
   for name, (attr, shape, to_ours, _) in table.items():
     if name not in tensors:
-      raise ValueError(f"{path}: tensor {name!r} not found (has {sorted(tensors)[:8]} ...)")
+      raise UserError(f"{path}: tensor {name!r} not found (has {sorted(tensors)[:8]} ...)")
     x = tensors[name]
     if tuple(x.shape) != shape:
-      raise ValueError(f"{path}: tensor {name!r} has shape {tuple(x.shape)}, expected {shape} "
-                       f"from {file}")
+      raise UserError(f"{path}: tensor {name!r} has shape {tuple(x.shape)}, expected {shape} "
+                      f"from {file}")
     var = head
     for a in attr:
       var = getattr(var, a)
@@ -267,20 +272,20 @@ def load_eagle3_hf(path: str, target_cfg: ModelConfig, *,
 def _maps_from_tensors(tensors: dict, n: int, v: int, path: str) -> VocabMaps:
   if "d2t" not in tensors and "t2d" not in tensors:
     if n != v:
-      raise ValueError(f"{path}: draft_vocab_size={n} < vocab_size={v} but no d2t/t2d tensors")
+      raise UserError(f"{path}: draft_vocab_size={n} < vocab_size={v} but no d2t/t2d tensors")
     return identity_maps(v)
   for name, shape in (("d2t", (n,)), ("t2d", (v,))):
     if name not in tensors:
-      raise ValueError(f"{path}: tensor {name!r} not found (the draft vocabulary maps)")
+      raise UserError(f"{path}: tensor {name!r} not found (the draft vocabulary maps)")
     if tuple(tensors[name].shape) != shape:
-      raise ValueError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
-                       f"expected {shape}")
+      raise UserError(f"{path}: tensor {name!r} has shape {tuple(tensors[name].shape)}, "
+                      f"expected {shape}")
   d2t = np.arange(n, dtype=np.int64) + tensors["d2t"].astype(np.int64)  # offsets -> target ids
   t2d = tensors["t2d"].astype(bool)
   if d2t.min() < 0 or d2t.max() >= v or len(set(d2t.tolist())) != n:
-    raise ValueError(f"{path}: d2t (offsets) gives target ids outside [0, {v}) or repeated ones")
+    raise UserError(f"{path}: d2t (offsets) gives target ids outside [0, {v}) or repeated ones")
   if int(t2d.sum()) != n or not t2d[d2t].all():
-    raise ValueError(f"{path}: t2d marks {int(t2d.sum())} target ids, not the {n} that d2t maps to")
+    raise UserError(f"{path}: t2d marks {int(t2d.sum())} target ids, not the {n} that d2t maps to")
   return VocabMaps(d2t=jnp.asarray(d2t, jnp.int32), t2d=jnp.asarray(t2d))
 
 
@@ -359,8 +364,8 @@ def load_draft_head(path: str, target_cfg: ModelConfig, *,
   if is_eagle3_hf_dir(path):
     return load_eagle3_hf(path, target_cfg, policy_embed=policy_embed)
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"draft head: {path} is not a directory")
+    raise UserError(f"draft head: {path} is not a directory")
   if os.path.exists(os.path.join(path, "config.json")):
-    raise ValueError(f"draft head: {os.path.join(path, 'config.json')} does not name an EAGLE-3 "
-                     f"architecture ({list(EAGLE3_ARCHITECTURES)})")
+    raise UserError(f"draft head: {os.path.join(path, 'config.json')} does not name an EAGLE-3 "
+                    f"architecture ({list(EAGLE3_ARCHITECTURES)})")
   return load_head(path, target_cfg)

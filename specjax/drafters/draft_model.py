@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.errors import UserError
 from specjax.models.cache import KVCache
 from specjax.models.decoder import Decoder
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep, top_alternatives
@@ -157,13 +158,13 @@ class DraftModelMethod(DraftMethodBase):
     from specjax.models.hf import load_pretrained
 
     if not os.path.isfile(os.path.join(draft_cfg.path, "config.json")):
-      raise FileNotFoundError(f"DraftConfig.path: {draft_cfg.path} is not a Hugging Face "
-                              "directory (no config.json)")
+      raise UserError(f"DraftConfig.path: {draft_cfg.path} is not a Hugging Face "
+                      "directory (no config.json)")
     draft = load_pretrained(draft_cfg.path, dtype=policy.cfg.dtype)
     if draft.cfg.vocab_size != policy.cfg.vocab_size:
-      raise ValueError(f"DraftConfig.path: {draft_cfg.path} has vocab_size "
-                       f"{draft.cfg.vocab_size}, the policy {policy.cfg.vocab_size}; a draft model "
-                       "must share the policy's vocabulary")
+      raise UserError(f"DraftConfig.path: {draft_cfg.path} has vocab_size "
+                      f"{draft.cfg.vocab_size}, the policy {policy.cfg.vocab_size}; a draft model "
+                      "must share the policy's vocabulary")
     env.log(f"[draft] draft model {draft_cfg.path} ({draft.cfg.num_params() / 1e6:.2f}M params)")
     return OfflineDraft(policy=policy, draft=draft)
 

@@ -20,6 +20,7 @@ from specjax.drafters.checkpoint import (eagle3_aux_layers, is_eagle3_hf_dir, lo
 from specjax.drafters.head import Eagle3Head, HeadConfig, init_head
 from specjax.drafters.ttt import ttt_loss, ttt_loss_chunked
 from specjax.drafters.vocab import VocabMaps, draft_to_target_probs, identity_maps
+from specjax.errors import UserError
 from specjax.models.cache import KVCache
 from specjax.models.paged import PagedKV
 from specjax.models.hf import config_from_hf
@@ -261,8 +262,8 @@ class Eagle3Method(DraftMethodBase):
     if not draft_cfg.path:
       return {}
     if not os.path.isdir(draft_cfg.path):
-      raise FileNotFoundError(f"DraftConfig.path: {draft_cfg.path} is not a directory (an EAGLE-3 "
-                              "head: community format or specjax's orbax save_head)")
+      raise UserError(f"DraftConfig.path: {draft_cfg.path} is not a directory (an EAGLE-3 "
+                      "head: community format or specjax's orbax save_head)")
     if not is_eagle3_hf_dir(draft_cfg.path):
       return {}
     # a community head names the policy layers it was trained on; the policy must expose those

@@ -31,6 +31,7 @@ from specjax.config_tree import check
 from specjax.drafters.eagle3 import Eagle3Method
 from specjax.drafters.methods import DraftMethodBase, register_method
 from specjax.drafters.ngram import _windows_match, lookup
+from specjax.errors import UserError
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 
 _MULT = np.uint32(0x9E3779B1)  # odd: multiplication is a bijection mod 2^32
@@ -162,24 +163,83 @@ class HistoryStore:
             "recorded": self.recorded, "prompts": slots}
 
   def load_json(self, data: dict | None) -> None:
-    """Restore `to_json`'s output (None: nothing saved; the store stays as it is)."""
+    """Restore `to_json`'s output (None: nothing saved; the store stays as it is). A history of
+    another shape, or a malformed one (a field missing or of the wrong type, a slot or entry
+    outside the store), raises `UserError` naming what is wrong; the store is then unchanged."""
     if data is None:
       return
     shape = [self.max_prompts, self.per_prompt, self.width]
-    if list(data["shape"]) != shape or data["tail"] != self.tail:
-      raise ValueError(f"HistoryStore: the saved history has shape {data['shape']} and tail "
-                       f"{data['tail']}, this run's {shape} and {self.tail} (DraftConfig."
-                       f"history_prompts, history_per_prompt, history_tokens, ngram_max)")
+    problem = _malformed_history(data)
+    if problem is None and (list(data["shape"]) != shape or data["tail"] != self.tail):
+      raise UserError(f"HistoryStore: the saved history has shape {data['shape']} and tail "
+                      f"{data['tail']}, this run's {shape} and {self.tail} (DraftConfig."
+                      f"history_prompts, history_per_prompt, history_tokens, ngram_max)")
+    if problem is None:
+      problem = _history_out_of_bounds(data["prompts"], *shape)
+    if problem is not None:
+      raise UserError(f"HistoryStore: the saved drafting history is malformed ({problem}); "
+                      f"resume from another checkpoint, or start the run afresh")
     self._clear()
     for p in data["prompts"]:
-      slot = int(p["slot"])
-      self._slots[(int(p["key"]), int(p["prompt_length"]))] = slot
-      self._keys[slot], self._plens[slot] = int(p["key"]), int(p["prompt_length"])
-      self._next[slot] = int(p["next"])
+      slot = p["slot"]
+      self._slots[(p["key"], p["prompt_length"])] = slot
+      self._keys[slot], self._plens[slot] = p["key"], p["prompt_length"]
+      self._next[slot] = p["next"]
       for e, entry in enumerate(p["entries"]):
         self._tokens[slot, e, :len(entry)] = entry
         self._lengths[slot, e] = len(entry)
-    self.recorded = int(data["recorded"])
+    self.recorded = data["recorded"]
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _malformed_history(data) -> str | None:
+  """What makes `data` other than `HistoryStore.to_json`'s layout, or None."""
+  if not isinstance(data, dict):
+    return f"a {type(data).__name__}, not an object"
+  fields = {"shape": (list, "a list"), "tail": (int, "an int"), "recorded": (int, "an int"),
+            "prompts": (list, "a list")}
+  for name, (kind, said) in fields.items():
+    if name not in data:
+      return f"no '{name}'"
+    if not isinstance(data[name], kind) or isinstance(data[name], bool):
+      return f"'{name}' is {data[name]!r:.40}, not {said}"
+  if len(data["shape"]) != 3 or not all(_is_int(n) for n in data["shape"]):
+    return f"'shape' is {data['shape']!r:.40}, not three ints"
+  for i, p in enumerate(data["prompts"]):
+    if not isinstance(p, dict):
+      return f"prompts[{i}] is {p!r:.40}, not an object"
+    for name in ("slot", "key", "prompt_length", "next", "entries"):
+      if name not in p:
+        return f"prompts[{i}] has no '{name}'"
+      listed = name == "entries"
+      if not (isinstance(p[name], list) if listed else _is_int(p[name])):
+        return f"prompts[{i}].{name} is {p[name]!r:.40}, not {'a list' if listed else 'an int'}"
+    for e, entry in enumerate(p["entries"]):
+      if not isinstance(entry, list) or not all(_is_int(t) for t in entry):
+        return f"prompts[{i}].entries[{e}] is not a list of token ids"
+  return None
+
+
+def _history_out_of_bounds(prompts: list, max_prompts: int, per_prompt: int,
+                           width: int) -> str | None:
+  """What of a well-formed history does not fit a store of this shape, or None."""
+  seen = set()
+  for i, p in enumerate(prompts):
+    if not 0 <= p["slot"] < max_prompts or p["slot"] in seen:
+      return f"prompts[{i}].slot {p['slot']} is out of [0, {max_prompts}) or repeated"
+    seen.add(p["slot"])
+    if not 0 <= p["key"] < 2**32 or not 0 <= p["prompt_length"] < 2**31:
+      return f"prompts[{i}] has key {p['key']} and prompt_length {p['prompt_length']}"
+    if not 0 <= p["next"] < per_prompt or len(p["entries"]) > per_prompt:
+      return (f"prompts[{i}] has next {p['next']} and {len(p['entries'])} entries, for "
+              f"{per_prompt} per prompt")
+    for e, entry in enumerate(p["entries"]):
+      if len(entry) > width or not all(0 <= t < 2**31 for t in entry):
+        return f"prompts[{i}].entries[{e}] has {len(entry)} tokens (at most {width}) or a bad id"
+  return None
 
 
 def history_lookup(seq: Sequences, hist: jax.Array, hist_len: jax.Array, draft_len: int, n: int,

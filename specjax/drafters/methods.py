@@ -15,6 +15,7 @@ from typing import Any, Callable, ClassVar, Protocol, runtime_checkable
 
 import jax
 
+from specjax.config_tree import refuse
 from specjax.sampling.drafter import Drafter
 
 
@@ -182,7 +183,7 @@ def register_method(method: DraftMethod) -> DraftMethod:
 
 def get_method(name: str) -> DraftMethod:
   if name not in _METHODS:
-    raise ValueError(f"DraftConfig.kind: must be one of {method_names()}, got {name!r}")
+    refuse(f"DraftConfig.kind: must be one of {method_names()}, got {name!r}")
   return _METHODS[name]
 
 

@@ -1,12 +1,14 @@
 """What the experiment scripts show on the terminal: the library's progress lines (logged with
-`logging`, INFO) on stdout, as plain lines; progress bars stay on stderr (tqdm).
+`logging`, INFO) on stdout, as plain lines; progress bars stay on stderr (tqdm); and how a run
+ends (`run_main`: one line and an exit code for a user's mistake, a failed write, a stop).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -42,12 +44,35 @@ def setup_logging(level: int = logging.INFO) -> None:
   logger.propagate = False
 
 
-def exit_on_stop(run: Callable[[], T]) -> T:
-  """`run()`, with the run's expected ends turned into one line on stderr and an exit code: a
-  stop on a signal (`Preempted`, checkpoint saved) exits with PREEMPTED_EXIT_CODE (75), a failed
-  checkpoint or metrics write (`RunWriteError`: disk full, permission, quota) with
-  WRITE_FAILED_EXIT_CODE (74). Other errors propagate as they are."""
+DEBUG_FLAG = "--debug"
+DEBUG_ENV = "SPECJAX_DEBUG"
+
+
+def debug_requested(argv: Sequence[str]) -> tuple[bool, list[str]]:
+  """(whether the traceback of a user's mistake is wanted, `argv` without --debug): the flag
+  before a lone `--` (what follows it is another program's), or SPECJAX_DEBUG=1."""
+  args = list(argv)
+  end = args.index("--") if "--" in args else len(args)
+  own = [a for a in args[:end] if a != DEBUG_FLAG]
+  debug = len(own) < end or os.environ.get(DEBUG_ENV, "").strip() not in ("", "0")
+  return debug, own + args[end:]
+
+
+def run_main(main: Callable[[list[str]], T], argv: Sequence[str] | None = None) -> T:
+  """A job's command line: `main(args)` (sys.argv's arguments, less --debug), its config parsed
+  inside, with the run's expected ends as one line on stderr and an exit code:
+
+  - a user's mistake (`UserError`: a config value, a dataset line, a checkpoint, a path, a KV
+    budget) exits with USER_ERROR_EXIT_CODE (2), as a bad flag does;
+  - a failed checkpoint, metrics or engine cost write (`RunWriteError`, `CostCacheError`: disk
+    full, permission, quota) with WRITE_FAILED_EXIT_CODE (74);
+  - a stop on a signal (`Preempted`, checkpoint saved) with PREEMPTED_EXIT_CODE (75).
+
+  With --debug or SPECJAX_DEBUG=1 the first two propagate with their tracebacks. Any other
+  exception (a bug) always does."""
+  from specjax.errors import USER_ERROR_EXIT_CODE, UserError
   from specjax.rl.metrics_log import RunWriteError
+  from specjax.sampling.cost_cache import CostCacheError
   from specjax.rl.preemption import (
     PREEMPTED_EXIT_CODE,
     WRITE_FAILED_EXIT_CODE,
@@ -55,11 +80,19 @@ def exit_on_stop(run: Callable[[], T]) -> T:
     log_line,
   )
 
+  debug, args = debug_requested(sys.argv[1:] if argv is None else argv)
   try:
-    return run()
+    return main(args)
   except Preempted as e:
     log_line(f"specjax: {e}")
     raise SystemExit(PREEMPTED_EXIT_CODE) from None
-  except RunWriteError as e:
+  except UserError as e:
+    if debug:
+      raise
+    log_line(f"specjax: error: {e}")
+    raise SystemExit(USER_ERROR_EXIT_CODE) from None
+  except (RunWriteError, CostCacheError) as e:
+    if debug:
+      raise
     log_line(f"specjax: error: {e}")
     raise SystemExit(WRITE_FAILED_EXIT_CODE) from None

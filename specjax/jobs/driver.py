@@ -16,12 +16,12 @@ from typing import Any
 from flax import nnx
 
 from specjax.config_tree import check
-from specjax.jobs.base_policy import base_policy_dir, load_base_policy
+from specjax.jobs.base_policy import base_policy_dir, load_base_policy, policy_model_cfg
 from specjax.jobs.cache import use_compile_cache
 from specjax.jobs.config import Examples, ExperimentConfig
 from specjax.jobs.draft_init import build_offline_draft
-from specjax.jobs.run_dir import (Replacement, check_flags, check_model_dir, check_policy,
-                                  claim_run_dir, run_paths)
+from specjax.jobs.run_dir import (Replacement, check_dir_path, check_flags, check_kv_budget,
+                                  check_model_dir, check_policy, claim_run_dir, run_paths)
 from specjax.rl.config import RLConfig
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,17 @@ def resolve_dataset(cfg: ExperimentConfig) -> ExperimentConfig:
     return cfg
   task = dataclasses.replace(cfg.rl.task, name="math", path=cfg.dataset, pool_size=0)
   return dataclasses.replace(cfg, rl=dataclasses.replace(cfg.rl, task=task))
+
+
+def policy_config(cfg: ExperimentConfig, tokenizer):
+  """The policy's ModelConfig as far as the checks need it, before anything is loaded or built:
+  --model-path's config.json (an unsupported architecture fails here), at --rl.model's compute
+  dtype; else --rl.model with a row per token id (`policy_model_cfg`)."""
+  if not cfg.model_path:
+    return policy_model_cfg(cfg, tokenizer)
+  from specjax.models.hf_config import config_from_hf
+
+  return config_from_hf(cfg.model_path, dtype=cfg.rl.model.dtype)
 
 
 def build_task(cfg: ExperimentConfig, tokenizer):
@@ -93,19 +104,23 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
   t_start = time.perf_counter()
   cfg = resolve_dataset(cfg)
   out = os.path.join(cfg.out_dir, cfg.name)
+  # The user's input first (flags, paths, checkpoint, data, KV budget), all read-only: a mistake
+  # fails in seconds, and writes or moves nothing (an existing run directory stays as it was)
   check_flags(cfg)
   claim_run_dir(out, resume=cfg.resume, fresh=cfg.fresh)
   check_export_dir(cfg)
-  if cfg.compile_cache:
-    logger.info(f"[cache] compiled programs: {use_compile_cache(cfg.cache_dir)}")
   if cfg.model_path:
     check_model_dir(cfg.model_path)
   tokenizer = build_tokenizer(cfg)
   task = build_task(cfg, tokenizer)
+  model_cfg = policy_config(cfg, tokenizer)
+  check_policy(cfg, model_cfg, tokenizer, cfg.model_path or "--rl.model")
+  check_kv_budget(cfg, model_cfg, task)
+  if cfg.compile_cache:
+    logger.info(f"[cache] compiled programs: {use_compile_cache(cfg.cache_dir)}")
   policy_dir = base_policy_dir(cfg, tokenizer, task, base_examples, finetune_examples)
   check_model_dir(policy_dir)
   policy = load_base_policy(cfg, tokenizer, policy_dir)
-  check_policy(cfg, policy.cfg, tokenizer, cfg.model_path or policy_dir)
   offline = build_offline_draft(cfg, policy, tokenizer, task, policy_dir)
   policy, head, maps = offline.policy, offline.draft, offline.draft_maps
   initial = initial_validation(cfg, policy, tokenizer, task)
@@ -186,6 +201,7 @@ def check_export_dir(cfg: ExperimentConfig) -> None:
   """Fail before any run when --export-hf names a non-empty directory or the source checkpoint."""
   if not cfg.export_hf:
     return
+  check_dir_path(cfg.export_hf, "ExperimentConfig.export_hf")
   target = os.path.abspath(cfg.export_hf)
   check(not cfg.model_path or target != os.path.abspath(cfg.model_path),
         "ExperimentConfig.export_hf", f"must differ from --model-path ({cfg.model_path})")

@@ -13,6 +13,7 @@ import time
 from typing import Any, Callable
 
 from specjax.config_tree import check
+from specjax.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -25,18 +26,37 @@ def check_flags(cfg: Any) -> None:
         f"--dataset {cfg.dataset} needs --model-path: the embedded character tokenizer only "
         f"covers the arithmetic tasks' characters")
   check(cfg.rl.steps >= 1, "RLConfig.steps", f"an experiment needs >= 1 step, got {cfg.rl.steps}")
+  check_dir_path(cfg.cache_dir, "ExperimentConfig.cache_dir")
+  check_dir_path(cfg.rl.checkpoint.dir, "RLConfig.checkpoint.dir")
+  check_dir_path(cfg.rl.log_dir, "RLConfig.log_dir")
+  check(not cfg.rl.draft.path or os.path.exists(cfg.rl.draft.path), "DraftConfig.path",
+        f"{cfg.rl.draft.path} does not exist")
 
 
 def _holds_a_run(path: str) -> bool:
   return os.path.isdir(path) and bool(os.listdir(path))
 
 
+def check_dir_path(path: str, where: str) -> None:
+  """`path` can be a directory of ours: it is one, or the first part of it that exists is a
+  directory we may write in (not a file, which would fail the first write deep in a run)."""
+  if not path:
+    return
+  at = os.path.abspath(path)
+  while not os.path.exists(at) and os.path.dirname(at) != at:
+    at = os.path.dirname(at)
+  if not os.path.isdir(at):
+    raise UserError(f"{where}: {at} is a file, not a directory; choose another path")
+  if not os.access(at, os.W_OK | os.X_OK):
+    raise UserError(f"{where}: {at} is not writable; choose another path")
+
+
 def claim_run_dir(out: str, *, resume: bool, fresh: bool) -> None:
-  """Refuse an existing run directory unless the user said what to do with it."""
-  if os.path.exists(out) and not os.path.isdir(out):
-    raise ValueError(f"ExperimentConfig.out_dir: {out} exists and is not a directory")
+  """Refuse an existing run directory unless the user said what to do with it, and a path that
+  cannot be a directory; reads only (nothing is written before every check has passed)."""
+  check_dir_path(out, "ExperimentConfig.out_dir")
   if _holds_a_run(out) and not (resume or fresh):
-    raise FileExistsError(
+    raise UserError(
         f"{out} holds an earlier run ({', '.join(sorted(os.listdir(out))[:6])}); pass --resume to "
         f"continue it or --fresh to replace it (the old one is kept until the new run's "
         f"configuration, mesh, model and data have been checked)")
@@ -88,19 +108,22 @@ class Replacement:
 def check_model_dir(path: str) -> None:
   """A Hugging Face directory whose config.json and safetensors files are readable; errors name
   the file (a damaged file would otherwise fail deep inside the loader)."""
+  if not os.path.isdir(path):
+    raise UserError(f"--model-path {path}: " + ("not a directory" if os.path.exists(path) else
+                                                "does not exist"))
   config = os.path.join(path, "config.json")
   if not os.path.isfile(config):
-    raise FileNotFoundError(f"--model-path {path}: no config.json")
+    raise UserError(f"--model-path {path}: no config.json")
   try:
-    with open(config) as f:
+    with open(config, encoding="utf-8") as f:
       json.load(f)
   except (ValueError, UnicodeDecodeError) as e:
-    raise ValueError(f"{config}: not valid JSON ({e})") from None
+    raise UserError(f"{config}: not valid JSON ({e})") from None
   from safetensors import safe_open
 
   files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
   if not files:
-    raise FileNotFoundError(f"--model-path {path}: no *.safetensors weights")
+    raise UserError(f"--model-path {path}: no *.safetensors weights")
   for name in files:
     file = os.path.join(path, name)
     try:
@@ -109,7 +132,7 @@ def check_model_dir(path: str) -> None:
         if keys:  # the last tensor ends at the file's end: a truncated file fails here
           f.get_slice(keys[-1])
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-      raise ValueError(f"{file}: damaged safetensors file ({type(e).__name__}: {e})") from None
+      raise UserError(f"{file}: damaged safetensors file ({type(e).__name__}: {e})") from None
 
 
 def check_policy(cfg: Any, policy_cfg: Any, tokenizer: Any, source: str) -> None:
@@ -132,7 +155,10 @@ def check_policy(cfg: Any, policy_cfg: Any, tokenizer: Any, source: str) -> None
     if cfg.async_rl.enabled:
       gen = max(1, round(cfg.async_rl.gen_fraction * n))
       devices = gen if where.endswith("gen_mesh") else n - gen
-    data, fsdp, tensor = mesh.resolve(devices)
+    try:
+      data, fsdp, tensor = mesh.resolve(devices)
+    except UserError as e:  # its message names the mesh's shape, not which flag set it
+      raise UserError(f"{where}: {e}") from None
     check(tensor <= policy_cfg.num_heads, f"{where}.tensor",
           f"tensor-parallel size {tensor} is larger than the model's {policy_cfg.num_heads} "
           f"attention heads")
@@ -142,3 +168,27 @@ def check_policy(cfg: Any, policy_cfg: Any, tokenizer: Any, source: str) -> None
     check(cfg.rl.rollout_batch % shards == 0, f"{where}.data",
           f"the data-parallel shards (data {data} x fsdp {fsdp} = {shards}) must divide the "
           f"rollout batch prompts_per_step x group_size = {cfg.rl.rollout_batch}")
+
+
+def check_kv_budget(cfg: Any, model_cfg: Any, task: Any) -> None:
+  """RolloutConfig.kv_cache_gb against the least a row can need, before anything is built: the
+  engine would refuse such a pool at the first rollout, minutes later (`paging.pool_size`, the
+  same check). The bound is a prompt of the fixed width (max_prompt_len; else one token) +
+  max_new_tokens, on pages of the policy's KV alone, split over as many devices as its kv heads
+  could be: a pool refused here is refused there too."""
+  r = cfg.rl.rollout
+  if r.kv_cache_gb <= 0:  # dense caches, or kv_cache_fraction: known at the first rollout
+    return
+  from specjax.sampling.paging import bytes_per_page, pool_size
+
+  split = 1
+  if cfg.rl.use_mesh or cfg.async_rl.enabled:
+    import jax
+
+    split = max(1, min(model_cfg.num_kv_heads, jax.device_count()))
+  page_bytes = bytes_per_page(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
+                              r.page_size, model_cfg.compute_dtype) / split
+  prompt = r.max_prompt_len or getattr(task, "max_prompt_len", 0) or 1
+  pool_size(r.kv_cache_gb, page_bytes, r.page_size, prompt + r.max_new_tokens,
+            field="RolloutConfig.kv_cache_gb",
+            positions=f"a prompt of >= {prompt} + max_new_tokens {r.max_new_tokens}")

@@ -10,13 +10,15 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from specjax.config_tree import refuse
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 REMAT_POLICIES = ("none", "full", "dots")
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"ModelConfig.{field}: {msg}")
+    refuse(f"ModelConfig.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)

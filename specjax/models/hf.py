@@ -19,6 +19,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from specjax.errors import UserError
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.decoder import Decoder, MTPModule
 from specjax.models.hf_config import config_from_hf, config_to_hf
@@ -145,7 +146,7 @@ def detect_mtp_layout(names, cfg: ModelConfig) -> str | None:
   found = [layout for layout in MTP_LAYOUTS
            if _mtp_prefix(cfg, layout) + MTP_LAYOUTS[layout][1][2] + ".weight" in names]
   if len(found) > 1:
-    raise ValueError(f"checkpoint has MTP tensors in several layouts: {found}")
+    raise UserError(f"checkpoint has MTP tensors in several layouts: {found}")
   return found[0] if found else None
 
 
@@ -172,19 +173,26 @@ def _tensor_files(path: str) -> dict[str, str]:
   """Tensor name -> shard file: from model.safetensors.index.json, else from every *.safetensors."""
   index = os.path.join(path, INDEX_FILE)
   if os.path.exists(index):
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
+    try:
+      with open(index, encoding="utf-8") as f:
+        weight_map = json.load(f)["weight_map"]
+    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
+      raise UserError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
     for file in sorted(set(weight_map.values())):
       if not os.path.exists(os.path.join(path, file)):
-        raise FileNotFoundError(f"{index} names the shard {file}, which does not exist in {path}")
+        raise UserError(f"{index} names the shard {file}, which does not exist in {path}")
     return {name: os.path.join(path, file) for name, file in weight_map.items()}
   files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
   if not files:
-    raise FileNotFoundError(f"Hugging Face import: no *.safetensors file in {path}")
+    raise UserError(f"Hugging Face import: no *.safetensors file in {path}")
   names = {}
   for file in files:
-    with safe_open(os.path.join(path, file), framework="np") as f:
-      names.update({name: os.path.join(path, file) for name in f.keys()})
+    try:
+      with safe_open(os.path.join(path, file), framework="np") as f:
+        names.update({name: os.path.join(path, file) for name in f.keys()})
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+      raise UserError(f"{os.path.join(path, file)}: damaged safetensors file "
+                      f"({type(e).__name__}: {e})") from None
   return names
 
 
@@ -221,14 +229,14 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
   missing = [s.name for s in specs if s.name not in files]
   if missing:
     shards = sorted({os.path.basename(f) for f in files.values()})
-    raise ValueError(f"{path}: tensor {missing[0]!r} not found in {shards}"
-                   + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
+    raise UserError(f"{path}: tensor {missing[0]!r} not found in {shards}"
+                    + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
   expected = {s.name for s in specs}
   unexpected = sorted(n for n in files if n not in expected and not _ignorable(n, cfg)
                       and not _is_mtp(n, cfg, files))
   if unexpected:
-    raise ValueError(f"{path}: tensors with no place in the {cfg.num_layers}-layer decoder: "
-                     f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
+    raise UserError(f"{path}: tensors with no place in the {cfg.num_layers}-layer decoder: "
+                    f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
 
   by_file: dict[str, list[TensorSpec]] = {}
   for s in specs:
@@ -238,8 +246,8 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
       for s in file_specs:
         shape = tuple(f.get_slice(s.name).get_shape())
         if shape != s.shape:
-          raise ValueError(f"{file}: tensor {s.name!r} has shape {shape}, expected {s.shape} "
-                           "from config.json")
+          raise UserError(f"{file}: tensor {s.name!r} has shape {shape}, expected {s.shape} "
+                          "from config.json")
 
   model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
   put = device_put or (lambda x, axes: jnp.asarray(x))
@@ -271,8 +279,8 @@ def _check_mtp_names(path: str, files: dict[str, str], cfg: ModelConfig, layout:
     copies[pre + "shared_head.head.weight"] = "model.embed_tokens.weight"
   extra = sorted(n for n in own if n not in copies)
   if extra:
-    raise ValueError(f"{path}: MTP tensors ({layout} layout) with no place in specjax's MTP module "
-                     f"(one dense decoder layer): {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    raise UserError(f"{path}: MTP tensors ({layout} layout) with no place in specjax's MTP module "
+                    f"(one dense decoder layer): {extra[:5]}{' ...' if len(extra) > 5 else ''}")
   further = sorted(n for n in files if _is_mtp(n, cfg, files) and not n.startswith(pre))
   if further:
     warnings.warn(f"{path}: only the first MTP layer is imported; {len(further)} tensors of "

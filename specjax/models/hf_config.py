@@ -1,11 +1,12 @@
 """Hugging Face config.json <-> ModelConfig for the Qwen3 and Llama families, with a clear error
-for every architecture or option the decoder does not implement."""
+(a `UserError` naming the file) for every architecture or option the decoder does not implement."""
 
 from __future__ import annotations
 
 import json
 import os
 
+from specjax.errors import UserError
 from specjax.models.config import ModelConfig, RopeScaling
 
 # architecture -> (model_type, whether the family normalises q and k per head)
@@ -17,10 +18,16 @@ def _read_config(path_or_dict) -> tuple[dict, str]:
   if isinstance(path_or_dict, dict):
     return path_or_dict, "config.json (dict)"
   file = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
-  if not os.path.exists(file):
-    raise FileNotFoundError(f"Hugging Face import: {file} does not exist")
-  with open(file) as f:
-    return json.load(f), file
+  if not os.path.isfile(file):
+    raise UserError(f"Hugging Face import: {file} does not exist")
+  try:
+    with open(file, encoding="utf-8") as f:
+      hf = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise UserError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(hf, dict):
+    raise UserError(f"{file}: expected a JSON object, got {type(hf).__name__}")
+  return hf, file
 
 
 def rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
@@ -32,11 +39,27 @@ def rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:
   if kind == "default":
     return theta, None
   if kind != "llama3":
-    raise ValueError(f"{source}: RoPE type {kind!r} is not supported (supported: default, llama3)")
-  return theta, RopeScaling(factor=float(params["factor"]),
-                            low_freq_factor=float(params["low_freq_factor"]),
-                            high_freq_factor=float(params["high_freq_factor"]),
-                            original_max_position=int(params["original_max_position_embeddings"]))
+    raise UserError(f"{source}: RoPE type {kind!r} is not supported (supported: default, llama3)")
+  return theta, RopeScaling(
+      factor=_number(params, "factor", float, source),
+      low_freq_factor=_number(params, "low_freq_factor", float, source),
+      high_freq_factor=_number(params, "high_freq_factor", float, source),
+      original_max_position=_number(params, "original_max_position_embeddings", int, source))
+
+
+def _number(hf: dict, key: str, kind: type, source: str, default=None):
+  """`hf[key]` as `kind`, or `default` when absent and one is given; a missing or non-numeric
+  value is an error naming the file and the key (not a KeyError from deep in the loader)."""
+  value = hf.get(key)
+  if value is None:
+    if default is not None:
+      return default
+    raise UserError(f"{source}: missing field {key!r}")
+  if isinstance(value, bool) or not isinstance(value, (int, float)) \
+      or (kind is int and value != int(value)):
+    raise UserError(f"{source}: field {key!r} must be a{'n int' if kind is int else ' number'}, "
+                    f"got {value!r}")
+  return kind(value)
 
 
 def config_from_hf(path_or_dict, **overrides) -> ModelConfig:
@@ -46,30 +69,35 @@ def config_from_hf(path_or_dict, **overrides) -> ModelConfig:
   archs = hf.get("architectures") or []
   arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"), (None,))[0]
   if arch not in ARCHITECTURES:
-    raise ValueError(f"{source}: unsupported architecture {archs or None} (model_type "
-                     f"{hf.get('model_type')!r}); supported: {sorted(ARCHITECTURES)}")
+    raise UserError(f"{source}: unsupported architecture {archs or None} (model_type "
+                    f"{hf.get('model_type')!r}); supported: {sorted(ARCHITECTURES)}")
   unsupported = {"hidden_act": ("silu", hf.get("hidden_act", "silu")),
                  "attention_bias": (False, bool(hf.get("attention_bias", False))),
                  "mlp_bias": (False, bool(hf.get("mlp_bias", False))),
                  "use_sliding_window": (False, bool(hf.get("use_sliding_window", False)))}
   for name, (want, got) in unsupported.items():
     if want != got:
-      raise ValueError(f"{source}: {arch} with {name}={got!r} is not supported (needs {want!r})")
+      raise UserError(f"{source}: {arch} with {name}={got!r} is not supported (needs {want!r})")
   theta, scaling = rope_from_hf(hf, source)
-  heads = int(hf["num_attention_heads"])
-  cfg = ModelConfig(
-      vocab_size=int(hf["vocab_size"]),
-      hidden_size=int(hf["hidden_size"]),
-      num_layers=int(hf["num_hidden_layers"]),
+  heads = _number(hf, "num_attention_heads", int, source)
+  hidden = _number(hf, "hidden_size", int, source)
+  fields = dict(
+      vocab_size=_number(hf, "vocab_size", int, source),
+      hidden_size=hidden,
+      num_layers=_number(hf, "num_hidden_layers", int, source),
       num_heads=heads,
-      num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-      head_dim=int(hf.get("head_dim") or int(hf["hidden_size"]) // heads),
-      mlp_hidden=int(hf["intermediate_size"]),
+      num_kv_heads=_number(hf, "num_key_value_heads", int, source, heads),
+      head_dim=_number(hf, "head_dim", int, source, hidden // max(heads, 1)),
+      mlp_hidden=_number(hf, "intermediate_size", int, source),
       rope_theta=theta,
       rope_scaling=scaling,
-      rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      rms_eps=_number(hf, "rms_norm_eps", float, source, 1e-6),
       qk_norm=ARCHITECTURES[arch][1],
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+  try:
+    cfg = ModelConfig(**fields)
+  except UserError as e:  # a range check names ModelConfig's field: name the file too
+    raise UserError(f"{source}: {e}") from None
   return cfg.replace(**overrides) if overrides else cfg
 
 

@@ -10,6 +10,8 @@ import dataclasses
 import json
 import os
 
+from specjax.errors import UserError
+
 CONTROL_TOKENS = ("<pad>", "<bos>", "<eos>", "<think>", "</think>")
 CHARS = "0123456789+-*/=()?:.,; \n" + "abcdefghijklmnopqrstuvwxyz" + "QA#"
 
@@ -81,8 +83,8 @@ def _template_from_json(value, file: str) -> str:
     named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
     if isinstance(named.get("default"), str):
       return named["default"]
-  raise ValueError(f"{file}: field 'chat_template' must be a string or a list of "
-                   f"{{name, template}} with a 'default' entry")
+  raise UserError(f"{file}: field 'chat_template' must be a string or a list of "
+                  f"{{name, template}} with a 'default' entry")
 
 
 def read_chat_template(folder: str) -> tuple[str | None, str | None]:
@@ -96,8 +98,7 @@ def read_chat_template(folder: str) -> tuple[str | None, str | None]:
   for name in CHAT_TEMPLATE_FILES[1:]:
     file = os.path.join(folder, name)
     if os.path.exists(file):
-      with open(file, encoding="utf-8") as f:
-        value = json.load(f).get("chat_template")
+      value = read_json(file).get("chat_template")
       if value is not None:
         return _template_from_json(value, file), file
   return None, None
@@ -115,15 +116,27 @@ def resolve_chat_template(folder: str, choice: str | None) -> tuple[str | None, 
     with open(choice, encoding="utf-8") as f:
       text = f.read()
     if choice.endswith(".json"):
-      return _template_from_json(json.loads(text).get("chat_template"), choice), choice
+      return _template_from_json(read_json(choice).get("chat_template"), choice), choice
     return text, choice
   if "{{" in choice or "{%" in choice:
     return choice, "argument"
-  raise ValueError(f"chat template choice {choice!r}: not 'none', not an existing file and not a "
-                   "jinja template (no '{{' or '{%')")
+  raise UserError(f"chat template choice {choice!r}: not 'none', not an existing file and not a "
+                  "jinja template (no '{{' or '{%')")
 
 
-class MissingChatTemplateError(ValueError):
+def read_json(file: str) -> dict:
+  """A tokenizer directory's JSON object file; a damaged one is an error naming it."""
+  try:
+    with open(file, encoding="utf-8") as f:
+      value = json.load(f)
+  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+    raise UserError(f"{file}: not valid JSON ({e})") from None
+  if not isinstance(value, dict):
+    raise UserError(f"{file}: expected a JSON object, got {type(value).__name__}")
+  return value
+
+
+class MissingChatTemplateError(UserError):
   """The tokenizer directory has no chat template and the caller chose none explicitly."""
 
 
@@ -140,17 +153,20 @@ class HFTokenizer:
     from tokenizers import Tokenizer
 
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
-    if not os.path.exists(file):
-      raise FileNotFoundError(f"tokenizer: {file} does not exist")
-    self._tok = Tokenizer.from_file(file)
+    if not os.path.isfile(file):
+      raise UserError(f"tokenizer: {file} does not exist")
+    try:
+      self._tok = Tokenizer.from_file(file)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises its own error types
+      reason = (str(e).splitlines() or [type(e).__name__])[0]
+      raise UserError(f"{file}: not a readable tokenizer ({reason})") from None
     folder = os.path.dirname(file)
     self.path = folder
     self.chat_template, self.chat_template_source = resolve_chat_template(folder, chat_template)
     cfg = {}
     tc = os.path.join(folder, "tokenizer_config.json")
     if os.path.exists(tc):
-      with open(tc) as f:
-        cfg = json.load(f)
+      cfg = read_json(tc)
     eos = []
     for name in ("eos_token",):
       tok = cfg.get(name)
@@ -160,8 +176,7 @@ class HFTokenizer:
         eos.append(self._tok.token_to_id(tok))
     gc = os.path.join(folder, "generation_config.json")
     if os.path.exists(gc):
-      with open(gc) as f:
-        g = json.load(f).get("eos_token_id")
+      g = read_json(gc).get("eos_token_id")
       eos += [g] if isinstance(g, int) else list(g or [])
     self.eos_ids = tuple(dict.fromkeys(eos))
     pad = cfg.get("pad_token")

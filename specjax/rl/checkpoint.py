@@ -6,7 +6,9 @@ pytree (nnx.State, optax states) round-trips; restore places arrays with the tem
 Each checkpoint carries its run's identity (the configuration that determines the trajectory and
 its digest): a run refuses another run's checkpoints. A save never skips: saving a step that
 already exists is an error (`CheckpointExists`), and a state with a non-finite value is refused
-(`NonFiniteState`).
+(`NonFiniteState`). A restore falls back to an older checkpoint only past one that is provably
+damaged (`DamagedCheckpoint`: a file of its own missing, or one that does not parse or decode);
+any other failure (an I/O error, a sharding error) stops the run with that error, nothing moved.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import time
 import warnings
@@ -24,9 +27,21 @@ from typing import Any
 import jax
 import numpy as np
 
+from specjax.errors import UserError
 from specjax.rl.metrics_log import RunWriteError, write_cause
 
 COMMITTED_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it last into a finalized step dir
+
+# What orbax writes into a finalized step dir of this Checkpointer: the commit marker (JSON), the
+# meta item (one JSON file) and the state item, its tree metadata (JSON) and an OCDBT database:
+# a manifest naming data files under state/d/ (the per-process databases are merged into it
+# when the save finalizes). A restore reads the meta file, the manifest and the data files.
+STEP_JSON_FILES = (COMMITTED_MARKER, "meta/metadata", "state/_METADATA")
+OCDBT_MANIFEST = "state/manifest.ocdbt"
+META_KEYS = ("step", "data_position", "paths", "rng", "extra")
+# a file named in an error of tensorstore (orbax's array store)
+_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
+_STORE_KEY = re.compile(r'"([^"]+)" in OCDBT database')
 
 
 # RLConfig fields that do not change the trajectory of a run: where and how often it is saved,
@@ -35,17 +50,27 @@ RUN_IDENTITY_EXCLUDES = ("checkpoint", "validation", "log_dir", "progress", "ten
                          "use_mesh", "steps", "rollout.cost_cache")
 
 
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError):
   """The checkpoint holds a differently structured train state (another model/draft/optimizer),
   or belongs to another run (a different trajectory-determining configuration)."""
 
 
-class CheckpointExists(ValueError):
+class CheckpointExists(UserError):
   """A checkpoint of this step is already in the directory; saves never skip or overwrite."""
 
 
 class NonFiniteState(ValueError):
   """The train state to save holds NaN or infinite values; such a state is never checkpointed."""
+
+
+class DamagedCheckpoint(UserError):
+  """A checkpoint with a file of its own missing or unreadable (a JSON file that does not parse,
+  a manifest or data file that does not decode or is shorter than its manifest says, an array
+  its store lacks). `restore` sets such a checkpoint aside and falls back to an older one."""
+
+  def __init__(self, step: int, directory: str, reason: str):
+    self.step, self.directory, self.reason = step, directory, reason
+    super().__init__(f"checkpoint {step} in {directory} is damaged ({reason})")
 
 
 class CheckpointWriteError(RunWriteError):
@@ -147,6 +172,37 @@ def _sync_processes(name: str) -> None:
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves]
+
+
+def _store_damage(step_dir: str, error: BaseException) -> str | None:
+  """Which of the step's array files tensorstore found missing, truncated or undecodable, from
+  `error` or the errors it chains; None for any other failure. tensorstore names the file and
+  a status: DATA_LOSS or "Error decoding" (a manifest or data file that does not decode),
+  OUT_OF_RANGE on a byte range past a file's end (one shorter than its manifest says) and
+  NOT_FOUND (checked: the file is gone, or the manifest lacks the array). Its other statuses (an
+  I/O error, a permission, a full or unavailable store) prove nothing about the checkpoint."""
+  root = os.path.realpath(step_dir) + os.sep
+  rel = lambda f: os.path.relpath(f, step_dir) + ("/" if f.endswith("/") else "")
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    msg = str(error)
+    files = [f for f in _LOCAL_FILE.findall(msg)
+             if (os.path.realpath(f) + os.sep).startswith(root)]
+    if files:  # the innermost file named is the one that failed
+      if msg.startswith("DATA_LOSS:") or "Error decoding" in msg:
+        return f"{rel(files[-1])} does not decode"
+      if msg.startswith("OUT_OF_RANGE:") and "is not valid for value of size" in msg:
+        return f"{rel(files[-1])} is shorter than its manifest says"
+      if msg.startswith("NOT_FOUND:"):
+        gone = [f for f in files if not os.path.exists(f)]
+        if gone:
+          return f"{rel(gone[-1])} is missing"
+        key = _STORE_KEY.search(msg)
+        if key and "does not exist" in msg:
+          return f"the array store {rel(files[-1])} lacks {key.group(1)}"
+    error = error.__cause__ or error.__context__
+  return None
 
 
 class Checkpointer:
@@ -279,7 +335,11 @@ class Checkpointer:
       return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
 
     args = self.ocp.args
-    meta = dict(self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"])
+    meta = self.manager.restore(step, args=args.Composite(meta=args.JsonRestore()))["meta"]
+    missing = [k for k in META_KEYS if not isinstance(meta, dict) or k not in meta]
+    if missing:
+      raise DamagedCheckpoint(step, self.directory, f"meta/metadata lacks {', '.join(missing)}")
+    meta = dict(meta)
     saved = meta.get("identity")
     if self.identity is not None and saved is None:
       warnings.warn(f"Checkpointer: checkpoint {step} in {self.directory} carries no run identity "
@@ -302,32 +362,77 @@ class Checkpointer:
     meta["rng"] = np.asarray(meta["rng"], np.uint32)
     return jax.tree_util.tree_unflatten(treedef, restored), meta
 
-  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict] | None:
-    """(state, meta) of `step`, or of the newest checkpoint that restores (a broken one is
-    reported and skipped); None when there is none. `template` gives structure and shardings."""
-    if step is not None:
+  def _damage(self, step: int, error: BaseException) -> str | None:
+    """Why step `step` is damaged, as its files show after `error` while restoring it; None when
+    nothing proves it (the error may be transient: an I/O error, a sharding error)."""
+    d = os.path.join(self.directory, str(step))
+    parsed = {}
+    try:
+      for rel in STEP_JSON_FILES:
+        path = os.path.join(d, rel)
+        if not os.path.isfile(path):
+          return f"{rel} is missing"
+        with open(path, "rb") as f:
+          raw = f.read()
+        try:
+          parsed[rel] = json.loads(raw)
+        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+          return f"{rel} does not parse: {e}"
+      ocdbt = not isinstance(parsed["state/_METADATA"], dict) or \
+          parsed["state/_METADATA"].get("use_ocdbt", True)
+      if ocdbt and not os.path.isfile(os.path.join(d, OCDBT_MANIFEST)):
+        return f"{OCDBT_MANIFEST} is missing"
+    except OSError:  # the files cannot be read now: no proof either way
+      return None
+    return _store_damage(d, error)
+
+  def _restore_checked(self, step: int, template: Any) -> tuple[Any, dict]:
+    """`_restore_step`, its failure raised as `DamagedCheckpoint` where the checkpoint's files
+    prove it damaged; any other error as it is, with a note that nothing was moved."""
+    try:
       return self._restore_step(step, template)
-    damaged = []
+    except (CheckpointMismatch, DamagedCheckpoint):
+      raise
+    except Exception as e:
+      reason = self._damage(step, e)
+      if reason is None:
+        e.add_note(f"Checkpointer: restoring checkpoint {step} in {self.directory} failed and its "
+                   f"files show no damage: the run stops here, no checkpoint moved")
+        raise
+      raise DamagedCheckpoint(step, self.directory, reason) from e
+
+  def restore(self, template: Any, step: int | None = None) -> tuple[Any, dict] | None:
+    """(state, meta) of `step`, or of the newest checkpoint that restores; None when there is
+    none. Only a provably damaged checkpoint (`DamagedCheckpoint`) is passed over: once an older
+    one restores, each damaged one is moved aside (a one-line warning says which, why and
+    where). Any other error is raised at once, nothing moved; when every checkpoint is damaged,
+    a `UserError` says so, nothing moved either. `template` gives structure and shardings."""
+    if step is not None:
+      return self._restore_checked(step, template)
+    damaged: list[DamagedCheckpoint] = []
     for s in sorted(self.steps(), reverse=True):
       try:
-        out = self._restore_step(s, template)
-      except CheckpointMismatch:
-        raise
-      except Exception as e:  # noqa: BLE001 - a damaged checkpoint: fall back to an older one
-        warnings.warn(f"Checkpointer: checkpoint {s} in {self.directory} does not restore "
-                      f"({type(e).__name__}: {e}); trying an older one")
-        damaged.append(s)
+        out = self._restore_checked(s, template)
+      except DamagedCheckpoint as e:
+        damaged.append(e)
         continue
       # the run goes on from step s and will save those steps again: keep the damaged ones aside
       # (process 0 moves them; the barrier's name also fails the job if processes restored
       # different steps)
       if jax.process_index() == 0:
         for d in damaged:
-          aside = self._move_aside(d, "damaged")
-          warnings.warn(f"Checkpointer: damaged checkpoint {d} moved to {aside}")
+          aside = self._move_aside(d.step, "damaged")
+          warnings.warn(f"Checkpointer: checkpoint {d.step} in {self.directory} does not restore: "
+                        f"it is damaged ({d.reason}); moved to {aside}, resuming from checkpoint "
+                        f"{s}")
       _sync_processes(f"specjax checkpointer restored {self.directory}/{s}")
       self.manager.reload()
       return out
+    if damaged:  # starting over would silently drop the whole run: the user decides
+      reasons = "; ".join(f"{d.step}: {d.reason}" for d in damaged)
+      raise UserError(f"every checkpoint in {self.directory} is damaged ({reasons}); nothing was "
+                      f"moved: move the step directories away to start the run afresh") \
+          from damaged[0]
     return None
 
   def close(self) -> None:

@@ -130,13 +130,15 @@ class RolloutConfig:
   page_size: int = _ENGINE.page_size
   # the adaptive engine's step costs: measured once per program, bucket and K, then read from the
   # machine's cost cache (a JSON file; "": $SPECJAX_COST_CACHE or ~/.cache/specjax/
-  # engine_costs.json; "off": none, each run measures its own) and stored in every checkpoint,
-  # so one seed gives one trajectory; cost_memory > 0 refines them by the rollouts' own timings
-  # (EngineConfig.cost_memory: K then follows the machine's load, not reproducible)
+  # engine_costs.json; "off": none, each run measures its own); a run reads it once, at its
+  # start, and keeps its costs in <run>/engine_costs.json and every checkpoint, so one seed gives
+  # one trajectory and a resumed run reads what it read; cost_memory > 0 refines them by the
+  # rollouts' own timings (EngineConfig.cost_memory: K then follows the machine's load)
   cost_cache: str = ""
   cost_memory: float = _ENGINE.cost_memory
   # a cost read from that cache (another run's) is checked once against this run's own steps
-  # and replaced by their figure where they differ from it by more than this factor (0: never)
+  # and replaced there, for later runs, by their figure where they differ from it by more than
+  # this factor (0: never); the run keeps the figure it read
   recheck_cached_costs: float = _ENGINE.recheck_cached_costs
 
   def __post_init__(self):

@@ -41,6 +41,7 @@ _log = logging.getLogger(__name__)  # (`logger` names the run's MetricsLogger be
 Hook = Callable[[int, dict], None]  # (step, metrics) after every step (metrics incl. validation)
 MAX_ERRORS_LOGGED = 5  # reward-function errors written to the JSONL per step
 TUNING_FILE = "engine_tuning.json"  # the engine's costs and acceptance estimates, in the run dir
+COSTS_FILE = "engine_costs.json"  # every step cost the run read or measured, in the run dir
 
 
 @dataclasses.dataclass
@@ -246,7 +247,9 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
   position and RNG key of the newest good checkpoint of this run (same `run_identity`) when
   cfg.checkpoint.resume, else step 0 (a checkpoint dir with checkpoints is then an error). The
   checkpoint's engine tuning (costs, acceptance estimates) goes into `tuning` (an EngineTuning),
-  so the resumed run picks the K the uninterrupted one would have; its drafting history into
+  and the run's costs are fixed in <log dir>/engine_costs.json (`CostTable.keep_in`: on resume
+  read back from there, not from the machine's cost cache), so the resumed run picks the K the
+  uninterrupted one would have; its drafting history into
   `history` (a HistoryStore), so the resumed run drafts what the uninterrupted one would have.
   metrics.jsonl is cut back to the start step, so every step is logged once. Returns (ckpt,
   logger, state, start, data_position, base_key, pending): `pending` is the restored step whose
@@ -264,7 +267,8 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
       base_key = jnp.asarray(meta["rng"], jnp.uint32)
       pending = PendingStep.from_json(meta["extra"].get("pending"))
       if tuning is not None:
-        tuning.load_json(meta["extra"].get("engine_tuning"))
+        tuning.load_json(meta["extra"].get("engine_tuning"),
+                         f"checkpoint {start} in {ckpt.directory}")
       if history is not None:
         history.load_json(meta["extra"].get("history"))
   elif ckpt.steps():
@@ -274,6 +278,8 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
                            f"CheckpointConfig.resume to continue it, or give this run its own "
                            f"checkpoint directory")
   log_dir = cfg.log_dir or out_dir
+  if tuning is not None:  # the run's costs: fixed from now on, read back on resume
+    tuning.costs.keep_in(os.path.join(log_dir, COSTS_FILE), resume=cfg.checkpoint.resume)
   if jax.process_index() == 0:
     keep_to = start - 1 if pending is not None else start
     removed = truncate_metrics(os.path.join(log_dir, METRICS_FILE), keep_to)
@@ -288,7 +294,7 @@ def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dic
 
 def save_tuning(run_dir: str, data: dict) -> None:
   """<run_dir>/engine_tuning.json, atomically (process 0)."""
-  from specjax.sampling.calibration import write_json_atomic
+  from specjax.sampling.cost_cache import write_json_atomic
 
   if jax.process_index() != 0:
     return

@@ -64,7 +64,7 @@ def engine_config(cfg: RLConfig, kv_cache_gb: float | None = None) -> EngineConf
 
 def make_tuning(cfg: RLConfig) -> EngineTuning:
   """The run's engine tuning, with the machine's cost cache of RolloutConfig.cost_cache."""
-  from specjax.sampling.calibration import default_cost_cache_path
+  from specjax.sampling.cost_cache import default_cost_cache_path
 
   path = cfg.rollout.cost_cache
   return EngineTuning.with_cache("off" if path == "off" else path or default_cost_cache_path())

@@ -10,6 +10,7 @@ each step is verified exactly as in the static loop.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -96,7 +97,14 @@ def best_draft_len(expected_tokens: dict[int, float], step_costs: dict[int, floa
                    live: int, min_gain: float = 0.0) -> tuple[int, float]:
   """(K, tokens/s) maximising live * E[tokens per step | K] / seconds per step at K; a K > 0
   must beat K = 0 (when offered) by the fraction `min_gain`, so that timing noise never keeps
-  drafts that are not accepted."""
+  drafts that are not accepted. Every cost must be a positive, finite number of seconds (the
+  cost table checks them where they are measured, stored and read; one that is not here is a bug
+  of the caller's)."""
+  for k in expected_tokens:
+    cost = step_costs[k]
+    if not (isinstance(cost, (int, float)) and math.isfinite(cost) and cost > 0):
+      raise ValueError(f"best_draft_len: the step cost at K = {k} is {cost!r}; costs must be "
+                       f"positive and finite")
   rates = {k: live * expected_tokens[k] / step_costs[k] for k in expected_tokens}
   bar = {k: r / (1.0 + min_gain) if k > 0 and 0 in rates else r for k, r in rates.items()}
   k = max(bar, key=bar.get)

@@ -7,43 +7,37 @@ Whoever runs rollouts owns one `EngineTuning` and passes it to every `generate` 
 call without one calibrates afresh and forgets. Two engines never share costs by accident.
 
 Reproducibility: the K the adaptive engine picks depends on the step costs, and the random stream
-on the K picked. A cost is measured once per program, bucket and K and then kept: in the table,
-in a `CostCache` file shared by the runs of a machine (keyed by a stable description of the
-program and the device, so a second run with one seed reads the first one's timings and picks
-the same K), and in `EngineTuning.to_json` (an RL run stores it in every checkpoint). In-run
-refinement of the costs by the segments' own timings (`EngineConfig.cost_memory` > 0) makes the
-K choices follow the machine's load, hence not reproducible; it is off by default.
+on the K picked. A run's costs are fixed for the run once read or measured: a cost is measured
+once per program, bucket and K and then kept, in the table, in the run's `RunCosts` (a snapshot
+of the machine's `CostCache` file taken when the run starts, plus what it measured; an RL run
+keeps it in its run directory and reads it back on resume, whatever the machine's file holds by
+then), in the machine's `CostCache` (keyed by a stable description of the program and the
+device, so a later run reads the timings and skips measuring them) and in `EngineTuning.to_json`
+(an RL run stores it in every checkpoint). Every cost is checked where it is measured, stored and
+read (`cost_cache.cost_problem`, `implausible_keys`). In-run refinement of the costs by the
+segments' own timings (`EngineConfig.cost_memory` > 0) makes the K choices follow the machine's
+load, hence not reproducible; it is off by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import errno
 import functools
 import hashlib
-import json
 import logging
 import os
 import re
 import sys
-import tempfile
 import time
 from typing import Any, Callable
 
 from specjax.sampling.adaptive import AcceptanceEstimates
+from specjax.sampling.cost_cache import (COST_SLACK, CostCache, RunCosts, cost_key, cost_problem,
+                                         implausible_keys, parse_key, plausible_range)
 
 TUNING_FORMAT = 1
-COST_CACHE_ENV = "SPECJAX_COST_CACHE"  # overrides the default cost cache path ("off": none)
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 _log = logging.getLogger(__name__)
-
-
-def default_cost_cache_path() -> str:
-  """$SPECJAX_COST_CACHE, else <$XDG_CACHE_HOME or ~/.cache>/specjax/engine_costs.json."""
-  if os.environ.get(COST_CACHE_ENV):
-    return os.environ[COST_CACHE_ENV]
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return os.path.join(base, "specjax", "engine_costs.json")
 
 
 def device_description() -> str:
@@ -86,102 +80,6 @@ def _agreed(values: tuple[float, float] | None) -> tuple[float, float] | None:
   return (step_s, segment_s) if flag else None
 
 
-def _cost_key(key: tuple) -> str:
-  """'program/bucket/K' of a (program id, bucket, K) key."""
-  return "/".join(str(x) for x in key)
-
-
-def _parse_key(text: str) -> tuple:
-  program, bucket, k = text.rsplit("/", 2)
-  return (program, int(bucket), int(k))
-
-
-class CostCacheError(OSError):
-  """The machine's engine cost cache could not be read or written."""
-
-
-class CostCache:
-  """The measured (step, segment) seconds of (program, bucket, K), in one JSON file shared by the
-  runs of a machine. `put_if_absent` keeps the first value written (under a file lock): runs that
-  measure the same key at once all adopt the one that reached the file first."""
-
-  def __init__(self, path: str):
-    self.path = os.path.abspath(os.path.expanduser(path))
-    self._entries: dict[str, list[float]] | None = None
-
-  def _read(self) -> dict[str, list[float]]:
-    try:
-      with open(self.path) as f:
-        data = json.load(f)
-    except FileNotFoundError:
-      return {}
-    except (ValueError, UnicodeDecodeError):
-      return {}  # a damaged cache is measured anew (and rewritten)
-    except OSError as e:
-      raise CostCacheError(e.errno, f"engine cost cache {self.path}: {e.strerror}") from None
-    if not isinstance(data, dict) or data.get("format") != TUNING_FORMAT:
-      return {}
-    return {k: list(v) for k, v in data.get("costs", {}).items()}
-
-  def get(self, key: tuple) -> tuple[float, float] | None:
-    if self._entries is None:
-      self._entries = self._read()
-    got = self._entries.get(_cost_key(key))
-    return None if got is None else (float(got[0]), float(got[1]))
-
-  def put_if_absent(self, key: tuple, step_s: float, segment_s: float) -> tuple[float, float]:
-    """Store the costs of `key` unless the file has them already; returns the stored ones."""
-    return self._put(key, (step_s, segment_s), None)
-
-  def replace(self, key: tuple, stale: tuple[float, float],
-              costs: tuple[float, float]) -> tuple[float, float]:
-    """Store `costs` for `key` in place of `stale` (a figure a run found contradicted by its own
-    timings), unless another run replaced it already (its figure then stays); returns the
-    stored ones."""
-    return self._put(key, costs, stale)
-
-  def _put(self, key: tuple, costs: tuple[float, float],
-           stale: tuple[float, float] | None) -> tuple[float, float]:
-    import fcntl
-
-    try:
-      os.makedirs(os.path.dirname(self.path), exist_ok=True)
-      with open(self.path + ".lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        entries = self._read()
-        name = _cost_key(key)
-        if name not in entries or (stale is not None and
-                                   tuple(map(float, entries[name])) == tuple(map(float, stale))):
-          entries[name] = [float(costs[0]), float(costs[1])]
-          write_json_atomic(self.path, {"format": TUNING_FORMAT, "costs": entries})
-        self._entries = entries
-        return float(entries[name][0]), float(entries[name][1])
-    except OSError as e:
-      if isinstance(e, CostCacheError):
-        raise
-      raise CostCacheError(e.errno, f"engine cost cache {self.path}: "
-                           f"{e.strerror or os.strerror(e.errno or errno.EIO)}") from None
-
-
-def write_json_atomic(path: str, data: Any) -> None:
-  """Write `data` as JSON to a temporary file next to `path`, fsync, then rename it over `path`."""
-  directory = os.path.dirname(os.path.abspath(path))
-  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=directory)
-  try:
-    os.fchmod(fd, 0o644)  # (mkstemp's files are private)
-    with os.fdopen(fd, "w") as f:
-      json.dump(data, f, sort_keys=True)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    try:
-      os.unlink(tmp)
-    except OSError:
-      pass
-    raise
-
-
 class CostTable:
   """Seconds per step and fixed seconds per segment of each (program, bucket, K) measured so far.
 
@@ -190,33 +88,46 @@ class CostTable:
   in every process, so costs can be stored and found again. It is taken once per rollout, since
   hashing a policy's graphdef costs ~0.3 ms (its digest ~2 ms, once per program).
 
-  `cache`: the machine's `CostCache`; a cost not in the table is read from it, and one measured
-  here is written to it (the value already there wins). A queue's refill cost is kept the same
-  way under (program, rows prefilled at once, -1): seconds per prefill in place of a step's,
-  fixed seconds per refill (admission, the host round trip) in place of a segment's.
+  `cache`: the machine's `CostCache`, read through this table's `RunCosts` (`run_costs`): a
+  snapshot taken when the run starts (`keep_in`, else at the first cost asked for), so that
+  nothing another run writes there later changes this run's costs. A cost not in the table is
+  read from the snapshot, and one measured here is written to both (a valid value another run
+  stored first wins). A queue's refill cost is kept the same way under (program, rows prefilled
+  at once, -1): seconds per prefill in place of a step's, fixed seconds per refill (admission,
+  the host round trip) in place of a segment's.
 
   A cost read from the cache was measured by another run, perhaps under other load: it is
-  checked once against this run's own segments (`check_cached`), whose figure replaces it where
-  they contradict it.
+  checked against the program's other costs before it is used (`implausible_keys`; out of line:
+  it is measured again), and once against this run's own segments (`check_cached`), whose
+  figure replaces it in the machine's cache for later runs where they contradict it (this run
+  keeps the figure it read, so that its K choices do not hang on its timings).
 
   Timed costs are kept monotone (`_set`): a step costs no less with more rows or a longer draft,
   and load only adds time, so a timing above that of a larger (bucket, K) is taken for noise."""
 
   def __init__(self, cache: CostCache | None = None):
     self.cache = cache
+    self.run_costs = RunCosts(cache)
     self._program_ids: dict[tuple, str] = {}
     self._step: dict[tuple, float] = {}  # (program id, bucket, K) -> seconds per step now
     self._segment: dict[tuple, float] = {}  # ... -> fixed seconds per segment (calibration)
     self._calibrated: dict[tuple, list] = {}  # ... -> [startup seconds per step, steps refined]
     self._prepared: set[tuple] = set()  # keys of runs whose programs are all compiled
     self._from_line: set[tuple] = set()  # keys whose startup cost came from `line`, not a timing
+    self._measured: set[tuple] = set()  # keys this run timed itself
     # keys whose cost was read from `cache` and not yet checked: [seconds, steps, segments] of
     # their segments so far (fixed costs taken off; the first segment left out), and the
     # (step, segment) seconds read
     self._unchecked: dict[tuple, list] = {}
-    # keys whose cached cost this run's segments contradicted and replaced:
+    # keys whose cached cost this run's segments contradicted (and replaced in the cache):
     # key -> {"bucket", "draft_len", "cached_step_s", "observed_step_s", "observed_steps"}
     self.corrected: dict[tuple, dict] = {}
+
+  def keep_in(self, path: str | None, resume: bool) -> None:
+    """Fix this run's costs now: the machine's cache is read once (or, when `resume`, the run's
+    own file at `path`, if there is one) and kept at `path` with every cost the run measures."""
+    if _process_index() == 0:
+      self.run_costs.start(path, resume)
 
   def program_id(self, program: tuple) -> str:
     got = self._program_ids.get(program)
@@ -244,11 +155,11 @@ class CostTable:
     machine only ever adds time. With a `cache`, a key it holds is not measured, and a measured
     one is stored there (the value another run stored first wins; `check_cached` may later
     replace a cached one by the run's own figure)."""
-    if key not in self._step and self.cache is not None:
-      got = _agreed(self.cache.get(key) if _process_index() == 0 else None)
+    if key not in self._step:
+      got = _agreed(self._read(key) if _process_index() == 0 else None)
       if got is not None:
         self._set(key, *got)
-        self._unchecked[key] = [0.0, 0, 0, got]
+        self._unchecked[key] = [0.0, 0, 0, got, 0.0]
     if key not in self._step:
       run(iters)
       best = {iters: (float("inf"), 0), 2 * iters: (float("inf"), 0)}
@@ -261,14 +172,37 @@ class CostTable:
             ran, seconds = ran
           best[m] = min(best[m], (seconds, ran))
       (t1, i1), (t2, i2) = best[iters], best[2 * iters]
-      slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else t2 / max(i2, 1)
-      # a segment's fixed cost is never negative: a steeper slope is noise in the longer timing
-      slope = min(slope, t2 / max(i2, 1))
-      segment = max(t2 - slope * i2, 0.0)
-      if self.cache is not None and _process_index() == 0:
-        slope, segment = self.cache.put_if_absent(key, slope, segment)
+      per_step = t2 / max(i2, 1)  # (the segment's fixed cost included)
+      slope = (t2 - t1) / (i2 - i1) if i2 > i1 and t2 > t1 else per_step
+      # a segment's fixed cost is never negative: a steeper slope is noise in the longer timing;
+      # a slope near zero is noise too (two timings a hair apart): a step costs a fair share
+      slope = min(max(slope, per_step / (2 * COST_SLACK)), per_step)
+      segment = max(t2 - slope * i2, 0.0)  # (process 0's figures are the ones used: `_agreed`)
+      if _process_index() == 0:
+        # (a timing under a load spike is kept in line with the costs the run uses, so that a
+        # later run reading them keeps them all and picks the K this one did)
+        used = {k: v[0] for k, v in self.run_costs.items().items()
+                if k in self._step and k not in self._from_line}
+        lo, hi = plausible_range(key, used)
+        slope = min(max(slope, lo), hi)
+        segment = max(t2 - slope * i2, 0.0)
+        slope, segment = self.run_costs.put(key, (slope, segment))
+      self._measured.add(key)
       self._set(key, *_agreed((slope, segment)))
     return self._step[key]
+
+  def _read(self, key: tuple) -> tuple[float, float] | None:
+    """`key`'s costs in the run's snapshot of the cache, unless out of line with the costs this
+    run timed itself for the same program (then left out of the snapshot: measured again)."""
+    got = self.run_costs.get(key)
+    if got is None:
+      return None
+    trusted = {k: self._calibrated[k][0] for k in self._measured if k[:-2] == key[:-2]}
+    why = implausible_keys({key: got[0]}, trusted).get(key)
+    if why is not None:
+      self.run_costs.drop(key, why)
+      return None
+    return got
 
   def check_cached(self, key: tuple, iters: int, seconds: float, factor: float,
                    steps: int) -> bool:
@@ -278,12 +212,13 @@ class CostTable:
     leaves out (a calibration's untimed run takes it). Once they add up to `steps` steps, it is
     checked, once: where their seconds per step differ from it by more than `factor` either
     way, it was measured under other conditions (a loaded machine, a noisy slope), so their
-    figure, from many more steps than a calibration times, replaces it in the table and in the
-    cache (unless another run replaced it there first: its figure then stands). Returns True
-    when it was replaced. A cost measured by this run, or adopted from a stored
-    tuning (`load_json`, a resumed run), is never checked. In a multi-process job process 0's
-    timings decide for all (the point of the check, a count of steps, is the same in every
-    process)."""
+    figure, from many more steps than a calibration times, replaces it in the machine's cache
+    for later runs (unless another run replaced it there first: its figure then stands); this
+    run keeps the figure it read, so that its K choices never hang on its own timings. Returns
+    True when the cache's figure was replaced. A cost measured by this run, or adopted from a
+    stored tuning (`load_json`, a resumed run), is never checked. In a multi-process job
+    process 0's timings decide for all (the point of the check, a count of steps, is the same in
+    every process)."""
     seen = self._unchecked.get(key)
     if seen is None or factor <= 0 or iters <= 0:
       return False
@@ -292,23 +227,26 @@ class CostTable:
       return False
     seen[0] += max(seconds - self._segment[key], 0.0)
     seen[1] += iters
+    seen[4] += seconds
     if seen[1] < steps:
       return False
     del self._unchecked[key]
-    observed = _agreed((seen[0] / seen[1], float(seen[1])))[0]
+    # (segments faster than the cached fixed cost leave nothing per step: a step still costs a
+    # fair share of the segments' time, as at calibration)
+    observed = max(seen[0], seen[4] / (2 * COST_SLACK)) / seen[1]
+    observed = _agreed((observed, float(seen[1])))[0]
     cached = self._calibrated[key][0]  # (as the table uses it: `_set` may have lowered it)
-    if cached / factor <= observed <= cached * factor:
-      return False
     new = (observed, seen[3][1])
-    if self.cache is not None and _process_index() == 0:
-      new = self.cache.replace(key, seen[3], new)
-    self._set(key, *_agreed(new))
+    if cached / factor <= observed <= cached * factor or cost_problem(new) is not None:
+      return False
+    if _process_index() == 0:
+      self.run_costs.correct(key, seen[3], new)
     self.corrected[key] = {"bucket": key[-2], "draft_len": key[-1], "cached_step_s": cached,
                            "observed_step_s": observed, "observed_steps": seen[1]}
     _log.warning("engine cost cache %s: bucket %d, K %d: the cached %.2f ms per step is "
-                 "contradicted by this run's %d steps at %.2f ms, which replace it",
-                 self.cache.path if self.cache is not None else "(none)", key[-2], key[-1],
-                 cached * 1e3, seen[1], observed * 1e3)
+                 "contradicted by this run's %d steps at %.2f ms, which replace it there for "
+                 "later runs", self.cache.path if self.cache is not None else "(none)", key[-2],
+                 key[-1], cached * 1e3, seen[1], observed * 1e3)
     return True
 
   def _set(self, key: tuple, step_s: float, segment_s: float) -> None:
@@ -363,10 +301,13 @@ class CostTable:
     """Move `key`'s step cost toward what a segment of a rollout measured: the startup
     calibration times a few steps on the prompt's first positions, a rollout's own segments every
     step the engine takes there. The segment's fixed cost (measured at calibration) is taken off
-    first; weight iterations / (iterations + memory)."""
+    first (a step still costs a fair share of the segment: at least 1 / (2 COST_SLACK) of its
+    seconds); weight iterations / (iterations + memory)."""
     if key not in self._step or iters <= 0 or memory <= 0:
       return
-    per_step = max(seconds - self._segment.get(key, 0.0), 0.0) / iters
+    per_step = max(seconds - self._segment.get(key, 0.0), seconds / (2 * COST_SLACK)) / iters
+    if cost_problem((per_step, 0.0)) is not None:
+      return
     w = iters / (iters + memory)
     self._step[key] = (1.0 - w) * self._step[key] + w * per_step
     self._calibrated[key][1] += iters
@@ -387,17 +328,28 @@ class CostTable:
 
   def to_json(self) -> list[dict]:
     """Every cost of the table (exact floats), for `load_json` in another process."""
-    return [{"key": _cost_key(k), "step_s": v, "segment_s": self._segment.get(k, 0.0),
+    return [{"key": cost_key(k), "step_s": v, "segment_s": self._segment.get(k, 0.0),
              "calibrated_step_s": self._calibrated[k][0], "steps_measured": self._calibrated[k][1],
              "from_line": k in self._from_line} for k, v in self._step.items()]
 
-  def load_json(self, rows: list[dict]) -> None:
-    """Adopt stored costs (`to_json`); they replace the table's own for the same keys."""
+  def load_json(self, rows: list[dict], source: str = "stored engine tuning") -> None:
+    """Adopt stored costs (`to_json`); they replace the table's own for the same keys. A row
+    that is no valid cost is left out (one warning naming `source` and the key), so that the
+    engine measures it again."""
     for r in rows:
-      key = _parse_key(r["key"])
-      self._step[key] = float(r["step_s"])
-      self._segment[key] = float(r["segment_s"])
-      self._calibrated[key] = [float(r["calibrated_step_s"]), int(r["steps_measured"])]
+      try:
+        key = parse_key(r["key"])
+        costs = (r["step_s"], r["segment_s"])
+        why = cost_problem(costs) or cost_problem((r["calibrated_step_s"], 0.0))
+        steps = int(r["steps_measured"])
+      except (KeyError, TypeError, ValueError) as e:
+        _log.warning("%s: a cost row %r is damaged (%s): left out", source, r, e)
+        continue
+      if why is not None:
+        _log.warning("%s: %s left out and measured again: %s", source, r["key"], why)
+        continue
+      self._step[key], self._segment[key] = float(costs[0]), float(costs[1])
+      self._calibrated[key] = [float(r["calibrated_step_s"]), steps]
       self._unchecked.pop(key, None)
       if r.get("from_line"):
         self._from_line.add(key)
@@ -428,14 +380,15 @@ class EngineTuning:
     return {"format": TUNING_FORMAT, "costs": self.costs.to_json(),
             "estimates": self.estimates.to_json(estimate_key_digest)}
 
-  def load_json(self, data: dict | None) -> None:
-    """Adopt a stored tuning (`to_json`); None or {}: nothing to adopt."""
+  def load_json(self, data: dict | None, source: str = "stored engine tuning") -> None:
+    """Adopt a stored tuning (`to_json`) from `source` (named in warnings); None or {}: nothing
+    to adopt."""
     if not data:
       return
     if data.get("format") != TUNING_FORMAT:
       raise ValueError(f"engine tuning of format {data.get('format')!r}; this version reads "
                        f"{TUNING_FORMAT}")
-    self.costs.load_json(data.get("costs", []))
+    self.costs.load_json(data.get("costs", []), source)
     self.estimates.load_json(data.get("estimates", {}), estimate_key_digest)
 
 

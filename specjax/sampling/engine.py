@@ -198,6 +198,14 @@ def compiled_programs() -> int:
   return PROGRAMS.count
 
 
+def program_statics(engine: EngineConfig) -> tuple:
+  """The engine settings that change a segment's program, hence its step cost: the KV memory's
+  layout (dense, or paged with its pool, page size and kernel launch) and the window block."""
+  layout = ("dense",) if engine.kv_cache_gb <= 0 else \
+      ("paged", engine.kv_cache_gb, engine.page_size, engine.kernel_pages, engine.kernel_warps)
+  return layout + (("window_block", engine.window_block),)
+
+
 class _Run:
   """One call of the engine: the host loop over segments. `drafter.draft_len` is the largest K
   (resolved by `speculative_generate`); with `engine.adaptive` K is chosen per segment among
@@ -234,7 +242,8 @@ class _Run:
     self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
         if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, self.k_max))
     self.segments: list[Segment] = []
-    self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh))
+    self.program_id = self.costs.program_id((graphdef, drafter, cfg, cache_size, mesh,
+                                             program_statics(engine)))
 
   def span(self, k: int, width: int = 1) -> int:
     """Cache positions a step at K writes past a row's last committed token (a draft tree of

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from specjax.config_tree import refuse
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -72,8 +74,8 @@ class EngineConfig:
   cost_memory: float = 0.0
   # a (bucket, K) cost read from the machine's cost cache (measured by an earlier run) is
   # checked once, after this run's segments ran recheck_steps steps of it: if their seconds per
-  # step differ from it by more than this factor either way, their figure replaces it, in the
-  # table and in the cache (`CostTable.check_cached`); 0: never checked
+  # step differ from it by more than this factor either way, their figure replaces it in the
+  # cache, for later runs (this run keeps the figure it read: `CostTable.check_cached`); 0: never
   recheck_cached_costs: float = 1.5
   recheck_steps: int = 32
   compile_threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
@@ -89,7 +91,7 @@ class EngineConfig:
   def __post_init__(self):
     def check(ok, field, msg):
       if not ok:
-        raise ValueError(f"EngineConfig.{field}: {msg}")
+        refuse(f"EngineConfig.{field}: {msg}")
     check(self.max_rows >= 0, "max_rows", f"must be >= 0 (0: every row at once), got "
           f"{self.max_rows}")
     check(0 < self.refill_fraction <= 1, "refill_fraction",

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.errors import UserError
 from specjax.models.cache import KVCache
 from specjax.models.paged import NO_PAGE, PagedKV, write
 from specjax.sampling.pages import PADDING_ROW, PageAllocator
@@ -31,17 +32,18 @@ def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size:
   return 2 * num_layers * num_kv_heads * page_size * head_dim * jnp.dtype(dtype).itemsize
 
 
-def pool_size(kv_cache_gb: float, page_bytes: int, page_size: int, cache_size: int) -> int:
-  """Pages in a pool of `kv_cache_gb` GiB; ValueError when one row of `cache_size` positions
-  (prompt + max_new_tokens + K + 1) cannot fit in it."""
+def pool_size(kv_cache_gb: float, page_bytes: float, page_size: int, cache_size: int,
+              field: str = "EngineConfig.kv_cache_gb",
+              positions: str = "prompt + max_new_tokens + K + 1") -> int:
+  """Pages in a pool of `kv_cache_gb` GiB; a UserError naming `field` when one row of
+  `cache_size` positions (`positions` says of what) cannot fit in it."""
   num_pages = int(kv_cache_gb * 2**30 // page_bytes)
   need = -(-cache_size // page_size)
   if num_pages < need:
-    raise ValueError(
-        f"EngineConfig.kv_cache_gb={kv_cache_gb}: holds {num_pages} pages of {page_size} tokens "
-        f"({page_bytes / 2**20:.3f} MiB each), but one row needs up to {need} pages "
-        f"({cache_size} positions: prompt + max_new_tokens + K + 1); raise kv_cache_gb to at "
-        f"least {need * page_bytes / 2**30:.4f}")
+    raise UserError(
+        f"{field}: {kv_cache_gb:g} GiB holds {num_pages} pages of {page_size} tokens "
+        f"({page_bytes / 2**20:.3f} MiB each), but one row needs {need} pages ({cache_size} "
+        f"positions: {positions}); raise it to at least {need * page_bytes / 2**30:.4g}")
   return num_pages
 
 
@@ -286,18 +288,36 @@ class ReplicaPages:
 
   def _swap_out(self, pools: tuple[PagedKV, ...], first: int, seq_len: int,
                 draft_len: int) -> tuple[PagedKV, ...]:
-    """Swap out the newest rows until the oldest waiting row (`first`) can take its pages."""
+    """Swap out the newest rows until the oldest waiting row (`first`) can take its pages.
+
+    There is always a victim: `first` just failed to grow to seq_len + draft_len, so it needs
+    more pages than are free, and `grow` refuses a length the pool cannot hold, so releasing
+    every other row frees enough (all pages but those `first` holds). No victim is a bug in the
+    accounting: RuntimeError, nothing changed; so is a row that still cannot grow after the
+    swap."""
     need = self.alloc.pages_for(seq_len + draft_len) - len(self.alloc.row_pages(first))
-    victims = self.alloc.preempt_candidates(need, keep=(first,)) or []
+    victims = self.alloc.preempt_candidates(need, keep=(first,))
+    if not victims:
+      raise RuntimeError(f"paging: no row to swap out for slot {first} (candidates: {victims}), "
+                         f"which needs {need} more pages for {seq_len} + {draft_len} tokens; "
+                         f"{self._state()}")
     for slot in victims:
       pages = self.alloc.row_pages(slot)
       kv = jax.device_get(read_pages(pools, self._padded(pages)))
       self.swapped[slot] = (kv, len(pages) * self.page_size)
       self.alloc.release(slot)
       self.swaps += 1
-    self.alloc.grow(first, self.tokens_for(seq_len, draft_len)) or \
-        self.alloc.grow(first, seq_len + draft_len)
+    if not (self.alloc.grow(first, self.tokens_for(seq_len, draft_len)) or
+            self.alloc.grow(first, seq_len + draft_len)):
+      raise RuntimeError(f"paging: slot {first} cannot grow to {seq_len} + {draft_len} tokens "
+                         f"after swapping out slots {victims}; {self._state()}")
     return pools
+
+  def _state(self) -> str:
+    """The allocator's state, for an internal error."""
+    rows = {r: len(self.alloc.row_pages(r)) for r in self.alloc.rows}
+    return (f"{self.alloc.free_pages} of {self.alloc.num_pages} pages free, pages held by slot "
+            f"(oldest admission first) {rows}, swapped out {sorted(self.swapped)}")
 
   def _padded(self, pages) -> jax.Array:
     """A row's pages as global ids, padded to a page table row."""

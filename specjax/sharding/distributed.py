@@ -11,6 +11,7 @@ from typing import Any, Mapping
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from specjax.config_tree import refuse
 from specjax.sharding.rules import DEFAULT_RULES, Rules, logical_to_spec
 
 # Ours first, then the names JAX itself (or common launchers) use.
@@ -39,18 +40,18 @@ class DistributedConfig:
 
   def __post_init__(self):
     if self.num_processes < 1:
-      raise ValueError(f"DistributedConfig.num_processes: must be >= 1, got {self.num_processes}")
+      refuse(f"DistributedConfig.num_processes: must be >= 1, got {self.num_processes}")
     if not 0 <= self.process_id < self.num_processes:
-      raise ValueError(f"DistributedConfig.process_id: must be in [0, {self.num_processes}), "
-                       f"got {self.process_id}")
+      refuse(f"DistributedConfig.process_id: must be in [0, {self.num_processes}), "
+             f"got {self.process_id}")
     if self.timeout_s < 1:
-      raise ValueError(f"DistributedConfig.timeout_s: must be >= 1, got {self.timeout_s}")
+      refuse(f"DistributedConfig.timeout_s: must be >= 1, got {self.timeout_s}")
     if self.num_processes > 1 and not self.auto:
       addr = self.coordinator_address or ""
       host, _, port = addr.rpartition(":")
       if not host or not port.isdigit():
-        raise ValueError("DistributedConfig.coordinator_address: a multi-process run needs "
-                         f"'host:port' of process 0, got {self.coordinator_address!r}")
+        refuse("DistributedConfig.coordinator_address: a multi-process run needs "
+               f"'host:port' of process 0, got {self.coordinator_address!r}")
     if self.local_device_ids is not None:
       object.__setattr__(self, "local_device_ids", tuple(int(i) for i in self.local_device_ids))
 
@@ -83,7 +84,7 @@ class DistributedConfig:
         else:
           kw[field] = int(value)
       except ValueError:
-        raise ValueError(f"environment variable {name}={value!r} is not a valid {field}") from None
+        refuse(f"environment variable {name}={value!r} is not a valid {field}")
     return cls(**kw)
 
 

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from specjax.config_tree import refuse
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -28,9 +30,9 @@ class MeshConfig:
     sizes = self.sizes
     for name, size in zip(MESH_AXES, sizes):
       if not isinstance(size, int) or (size < 1 and size != -1):
-        raise ValueError(f"MeshConfig.{name}: must be an int >= 1 or -1 (fill), got {size!r}")
+        refuse(f"MeshConfig.{name}: must be an int >= 1 or -1 (fill), got {size!r}")
     if sizes.count(-1) > 1:
-      raise ValueError(f"MeshConfig: at most one axis may be -1 (fill), got {self.shape_str()}")
+      refuse(f"MeshConfig: at most one axis may be -1 (fill), got {self.shape_str()}")
 
   @property
   def sizes(self) -> tuple[int, int, int]:
@@ -45,12 +47,12 @@ class MeshConfig:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if num_devices % known:
-        raise ValueError(
+        refuse(
             f"mesh ({self.shape_str()}) does not fit {num_devices} devices: the fixed axes use "
             f"{known} devices, which does not divide {num_devices}")
       sizes[sizes.index(-1)] = num_devices // known
     elif known != num_devices:
-      raise ValueError(
+      refuse(
           f"mesh ({self.shape_str()}) needs {known} devices but {num_devices} are available")
     return tuple(sizes)
 

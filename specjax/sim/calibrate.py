@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from specjax.config_tree import refuse
 from specjax.sim import cost, fitting
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
@@ -70,9 +71,9 @@ class MeasuredCase:
 
   def __post_init__(self):
     if (self.scenario is None) == (self.probe is None):
-      raise ValueError(f"MeasuredCase.{self.name}: give exactly one of scenario / probe")
+      refuse(f"MeasuredCase.{self.name}: give exactly one of scenario / probe")
     if self.seconds <= 0:
-      raise ValueError(f"MeasuredCase.seconds: must be > 0, got {self.seconds}")
+      refuse(f"MeasuredCase.seconds: must be > 0, got {self.seconds}")
 
   def predict(self, eff: Efficiency) -> float:
     if self.probe is not None:

@@ -10,10 +10,13 @@ from typing import Any
 
 import yaml
 
+from specjax.config_tree import refuse
+from specjax.errors import UserError
+
 
 def _check(cls: str, cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"{cls}.{field}: {msg}")
+    refuse(f"{cls}.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,10 +167,18 @@ MODELS: dict[str, ModelSpec] = {m.name: m for m in (
 )}
 
 
+class UnknownName(UserError, KeyError):
+  """A hardware, model or workload name the catalog lacks: a KeyError of the lookup, and a user's
+  mistake (one line from the command line)."""
+
+  def __str__(self) -> str:  # the message as given, not KeyError's quoted repr
+    return str(self.args[0]) if self.args else ""
+
+
 def _lookup(table: dict[str, Any], name: str, kind: str):
   key = name.lower()
   if key not in table:
-    raise KeyError(f"unknown {kind} {name!r}; known: {sorted(table)} (add more with --catalog)")
+    raise UnknownName(f"unknown {kind} {name!r}; known: {sorted(table)} (add more with --catalog)")
   return table[key]
 
 
@@ -186,7 +197,7 @@ def load_catalog(path: str) -> tuple[list[str], list[str]]:
     data = yaml.safe_load(f) or {}
   unknown = set(data) - {"hardware", "models"}
   if unknown:
-    raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; use hardware: / models:")
+    refuse(f"{path}: unknown top-level keys {sorted(unknown)}; use hardware: / models:")
   hw_names, model_names = [], []
   for name, fields in (data.get("hardware") or {}).items():
     spec = HardwareSpec(name=name.lower(), **{k: float(v) if k != "domain" else int(v)

@@ -30,13 +30,14 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specjax.config_tree import refuse
 from specjax.sampling.adaptive import RefillPolicy
 from specjax.sim.engine_model import EngineModelConfig, effective_lengths, tokens_per_step
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"ContinuousEngineConfig.{field}: {msg}")
+    refuse(f"ContinuousEngineConfig.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)

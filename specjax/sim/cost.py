@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from specjax.config_tree import refuse
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 
 DRAFT_VOCAB = 32000  # EAGLE-3 reduced draft vocabulary
@@ -46,18 +47,18 @@ class Efficiency:
     for f in ("attn_flops", "kv_bw"):
       v = getattr(self, f)
       if v is not None and not 0 < v <= 1:
-        raise ValueError(f"Efficiency.{f}: must be None or in (0, 1], got {v}")
+        refuse(f"Efficiency.{f}: must be None or in (0, 1], got {v}")
     if self.overlap_p < 1:
-      raise ValueError(f"Efficiency.overlap_p: must be >= 1, got {self.overlap_p}")
+      refuse(f"Efficiency.overlap_p: must be >= 1, got {self.overlap_p}")
     for f in ("bw", "flops", "mfu", "comm"):
       v = getattr(self, f)
       if not 0 < v <= 1:
-        raise ValueError(f"Efficiency.{f}: must be in (0, 1], got {v}")
+        refuse(f"Efficiency.{f}: must be in (0, 1], got {v}")
     for f in ("step_overhead_s", "draft_overhead_s", "host_ngram_s_per_token",
               "prepare_overhead_s", "other_s", "layer_overhead_s", "logit_s",
               "segment_overhead_s"):
       if getattr(self, f) < 0:
-        raise ValueError(f"Efficiency.{f}: must be >= 0, got {getattr(self, f)}")
+        refuse(f"Efficiency.{f}: must be >= 0, got {getattr(self, f)}")
 
   def replace(self, **kw) -> "Efficiency":
     return dataclasses.replace(self, **kw)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+from specjax.config_tree import refuse
 from specjax.sim import cost
 from specjax.sim.catalog import HardwareSpec, ModelSpec
 from specjax.sim.cost import Efficiency
@@ -30,7 +31,7 @@ class EngineCost:
   def __post_init__(self):
     d = get_drafter_cost(self.drafter, "EngineCost.drafter")
     if d.needs_draft_model and self.draft_model is None:
-      raise ValueError(f"EngineCost.draft_model: required for drafter={self.drafter!r}")
+      refuse(f"EngineCost.draft_model: required for drafter={self.drafter!r}")
     object.__setattr__(self, "drafter_cost", d)
 
   def target_forward(self, rows: int, tokens: int, window: int,

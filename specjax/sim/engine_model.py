@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from specjax.config_tree import refuse
 from specjax.sampling.adaptive import AcceptanceEstimate, DraftLenPolicy
 from specjax.sampling.buckets import bucket_sizes, window_for
 from specjax.sampling.engine_config import EngineConfig
@@ -29,7 +30,7 @@ ENGINE_DEFAULTS = EngineConfig()
 
 def _check(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"EngineModelConfig.{field}: {msg}")
+    refuse(f"EngineModelConfig.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +82,7 @@ class EngineModelConfig:
   def for_arm(cls, arm: str, **kw) -> "EngineModelConfig":
     """The configuration of a bench_engine arm name (ar_static, spec_adaptive, ...)."""
     if arm not in ARMS:
-      raise ValueError(f"EngineModelConfig.arm: must be one of {ARMS}, got {arm!r}")
+      refuse(f"EngineModelConfig.arm: must be one of {ARMS}, got {arm!r}")
     spec = arm.startswith("spec")
     k = kw.pop("draft_len", None)
     if spec and k is None:

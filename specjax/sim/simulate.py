@@ -12,6 +12,7 @@ from typing import Callable
 
 import numpy as np
 
+from specjax.config_tree import refuse
 from specjax.sim import phases
 from specjax.sim.catalog import get_hardware, get_model
 from specjax.sim.cost import Efficiency, auto_model_parallel
@@ -63,7 +64,7 @@ ENGINES = tuple(ENGINE_KINDS)
 
 def _check(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"Scenario.{field}: {msg}")
+    refuse(f"Scenario.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,8 +231,8 @@ def _split_candidates(s: Scenario, mp: int) -> list[int]:
     return [max(mp, int(round(s.gen_fraction * s.gpus / mp)) * mp)]
   cands = [g for g in range(mp, s.gpus, mp) if s.gpus - g >= min_train]
   if not cands:
-    raise ValueError(f"Scenario.gpus: {s.gpus} GPUs cannot hold a {mp}-GPU generation replica "
-                     f"and a training group of >= {min_train} GPUs for {s.model}")
+    refuse(f"Scenario.gpus: {s.gpus} GPUs cannot hold a {mp}-GPU generation replica "
+           f"and a training group of >= {min_train} GPUs for {s.model}")
   return cands
 
 

@@ -11,12 +11,15 @@ from statistics import NormalDist
 
 import numpy as np
 
+from specjax.config_tree import refuse
+from specjax.sim.catalog import UnknownName
+
 _NORMAL = NormalDist()
 
 
 def _check(cond: bool, field: str, msg: str) -> None:
   if not cond:
-    raise ValueError(f"Workload.{field}: {msg}")
+    refuse(f"Workload.{field}: {msg}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,5 +131,5 @@ WORKLOADS: dict[str, Workload] = {w.name: w for w in (
 
 def get_workload(name: str) -> Workload:
   if name not in WORKLOADS:
-    raise KeyError(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
+    raise UnknownName(f"unknown workload {name!r}; known: {sorted(WORKLOADS)}")
   return WORKLOADS[name]

@@ -13,6 +13,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from specjax.errors import UserError
 from specjax.rl.config import TaskConfig
 
 
@@ -148,7 +149,7 @@ def register_task(name: str, builder: Callable[[TaskConfig, Any], Task]) -> None
 
 def make_task(cfg: TaskConfig, tokenizer) -> Task:
   if cfg.name not in TASKS:
-    raise ValueError(f"TaskConfig.name: must be one of {sorted(TASKS)}, got {cfg.name!r}")
+    raise UserError(f"TaskConfig.name: must be one of {sorted(TASKS)}, got {cfg.name!r}")
   return TASKS[cfg.name](cfg, tokenizer)
 
 

@@ -12,6 +12,7 @@ import math
 
 import numpy as np
 
+from specjax.errors import UserError
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example, Score, Task
 
@@ -52,7 +53,7 @@ class ChainTask(ScratchpadTask):
       from specjax.models.tokenizer import CharTokenizer
       tokenizer = CharTokenizer()
     if cfg.operands < 2:
-      raise ValueError(f"TaskConfig.operands: the chain task needs >= 2, got {cfg.operands}")
+      raise UserError(f"TaskConfig.operands: the chain task needs >= 2, got {cfg.operands}")
     super().__init__(cfg, tokenizer)
 
   def _make(self, stream: int, index: int) -> Example:

@@ -2,14 +2,19 @@
 `save_to_disk` directory, a directory of data files, or the hub cache layout (datasets--*/snapshots).
 
 Nothing is downloaded: every source is a local path. Rows come back as (where, dict) pairs, where
-`where` is "file:row" so that errors name the row at fault.
+`where` is "file:row" so that errors name the row at fault; a source that cannot be read is a
+`UserError` naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 from typing import Any, Iterator
+
+from specjax.errors import UserError
 
 DATA_SUFFIXES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
 
@@ -34,7 +39,7 @@ def _snapshot(repo_dir: str) -> str:
       return os.path.join(snaps, rev)
   revs = [os.path.join(snaps, r) for r in os.listdir(snaps)]
   if not revs:
-    raise FileNotFoundError(f"dataset: {snaps} has no snapshot")
+    raise UserError(f"dataset: {snaps} has no snapshot")
   return max(revs, key=os.path.getmtime)
 
 
@@ -43,7 +48,7 @@ def _split_files(folder: str, split: str) -> list[str]:
   train-00000-of-00001.parquet, data/train.jsonl, ...); all files when none is named by a split."""
   files = _data_files(folder)
   if not files:
-    raise FileNotFoundError(f"dataset: no data file ({', '.join(DATA_SUFFIXES)}) under {folder}")
+    raise UserError(f"dataset: no data file ({', '.join(DATA_SUFFIXES)}) under {folder}")
 
   def split_of(file):
     parts = os.path.relpath(file, folder).replace("-", "/").replace("_", "/").replace(".", "/")
@@ -52,15 +57,15 @@ def _split_files(folder: str, split: str) -> list[str]:
   named = [f for f in files if split_of(f)]
   chosen = [f for f in files if split in split_of(f)] if named else files
   if not chosen:
-    raise ValueError(f"dataset: no data file of split {split!r} under {folder}; files: "
-                     f"{[os.path.relpath(f, folder) for f in files][:8]}")
+    raise UserError(f"dataset: no data file of split {split!r} under {folder}; files: "
+                    f"{[os.path.relpath(f, folder) for f in files][:8]}")
   dirs = sorted({os.path.dirname(f) for f in chosen})
   if len(dirs) > 1:
-    raise ValueError(f"dataset: {folder} holds several configurations for split {split!r} "
-                     f"({[os.path.relpath(d, folder) for d in dirs]}); pass the directory of one")
+    raise UserError(f"dataset: {folder} holds several configurations for split {split!r} "
+                    f"({[os.path.relpath(d, folder) for d in dirs]}); pass the directory of one")
   kinds = {DATA_SUFFIXES[os.path.splitext(f)[1]] for f in chosen}
   if len(kinds) > 1:
-    raise ValueError(f"dataset: mixed file types {sorted(kinds)} for split {split!r} under {folder}")
+    raise UserError(f"dataset: mixed file types {sorted(kinds)} for split {split!r} under {folder}")
   return chosen
 
 
@@ -70,7 +75,7 @@ def _from_disk(path: str, split: str):
   ds = datasets.load_from_disk(path)
   if isinstance(ds, datasets.DatasetDict):
     if split not in ds:
-      raise ValueError(f"dataset: {path} has splits {sorted(ds)}, not {split!r}")
+      raise UserError(f"dataset: {path} has splits {sorted(ds)}, not {split!r}")
     ds = ds[split]
   return ds
 
@@ -78,10 +83,16 @@ def _from_disk(path: str, split: str):
 def _json_lines(path: str) -> list[Any]:
   """Rows of a JSON-lines file parsed line by line (the fallback that names a bad line), or of a
   JSON file holding one list of rows."""
-  with open(path, encoding="utf-8") as f:
-    text = f.read()
+  try:
+    with open(path, encoding="utf-8") as f:
+      text = f.read()
+  except UnicodeDecodeError as e:
+    raise UserError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
   if path.endswith(".json") and text.lstrip().startswith("["):
-    return json.loads(text)
+    try:
+      return json.loads(text)
+    except json.JSONDecodeError as e:
+      raise UserError(f"{path}:{e.lineno}: invalid JSON ({e.msg})") from None
   rows = []
   for i, line in enumerate(text.splitlines(), 1):
     if not line.strip():
@@ -89,8 +100,19 @@ def _json_lines(path: str) -> list[Any]:
     try:
       rows.append(json.loads(line))
     except json.JSONDecodeError as e:
-      raise ValueError(f"{path}:{i}: invalid JSON ({e.msg})") from None
+      raise UserError(f"{path}:{i}: invalid JSON ({e.msg})") from None
   return rows
+
+
+def _check_parquet(path: str) -> None:
+  """A damaged parquet file as an error naming it (the library would log and raise its own)."""
+  import pyarrow.parquet as pq
+
+  try:
+    pq.read_schema(path)
+  except Exception as e:  # noqa: BLE001 - pyarrow raises its own error types
+    reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+    raise UserError(f"{path}: not a readable parquet file ({reason})") from None
 
 
 def _load_files(files: list[str], cache_dir: str | None):
@@ -105,7 +127,7 @@ def _load_files(files: list[str], cache_dir: str | None):
 def open_dataset(path: str, split: str = "train", cache_dir: str | None = None):
   """(datasets.Dataset or a list of rows, the file or directory named in errors) for `path`."""
   if not os.path.exists(path):
-    raise FileNotFoundError(f"dataset: {path} does not exist")
+    raise UserError(f"dataset: {path} does not exist")
   if os.path.isdir(path):
     if any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json")):
       return _from_disk(path, split), path  # written by Dataset(Dict).save_to_disk
@@ -114,14 +136,35 @@ def open_dataset(path: str, split: str = "train", cache_dir: str | None = None):
     return _load_files(files, cache_dir), files[0] if len(files) == 1 else folder
   suffix = os.path.splitext(path)[1]
   if suffix not in DATA_SUFFIXES:
-    raise ValueError(f"dataset: {path}: unknown file type {suffix!r} "
-                     f"(supported: {', '.join(DATA_SUFFIXES)}, or a directory)")
-  try:
+    raise UserError(f"dataset: {path}: unknown file type {suffix!r} "
+                    f"(supported: {', '.join(DATA_SUFFIXES)}, or a directory)")
+  if DATA_SUFFIXES[suffix] == "parquet":
+    _check_parquet(path)
+  if DATA_SUFFIXES[suffix] != "json":
     return _load_files([path], cache_dir), path
+  try:
+    with _quiet_datasets():
+      return _load_files([path], cache_dir), path
   except Exception:  # noqa: BLE001 - the library's JSON errors name no line; find it ourselves
-    if DATA_SUFFIXES[suffix] != "json":
-      raise
     return _json_lines(path), path
+
+
+@contextlib.contextmanager
+def _quiet_datasets():
+  """Without the library's log lines and progress bars: a JSON file it cannot read is read again
+  line by line (`_json_lines`), whose error names the line; the library's report of the same
+  failure would only bury it."""
+  from datasets.utils import logging as ds_logging, tqdm as ds_tqdm
+
+  level, bars = ds_logging.get_verbosity(), not ds_tqdm.are_progress_bars_disabled()
+  ds_logging.set_verbosity(logging.CRITICAL)
+  ds_tqdm.disable_progress_bars()
+  try:
+    yield
+  finally:
+    ds_logging.set_verbosity(level)
+    if bars:
+      ds_tqdm.enable_progress_bars()
 
 
 def columns(ds) -> list[str]:

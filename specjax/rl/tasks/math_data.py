@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-
+from specjax.errors import UserError
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example, Score, Task, epoch_index
 from specjax.rl.tasks.hf_datasets import columns, open_dataset
@@ -48,55 +48,63 @@ def check_columns(present, fmt: str, source: str) -> None:
   present = sorted(present)
   if fmt == "auto":
     if "question" not in present and "prompt" not in present:
-      raise ValueError(f"{source}: missing column 'question' (GSM8K) or 'prompt' (DAPO); "
-                       f"columns present: {present}")
+      raise UserError(f"{source}: missing column 'question' (GSM8K) or 'prompt' (DAPO); "
+                      f"columns present: {present}")
     return
   for name in REQUIRED_COLUMNS.get(fmt, ()):
     if name not in present:
-      raise ValueError(f"{source}: missing column {name!r} ({fmt} format needs "
-                       f"{list(REQUIRED_COLUMNS[fmt])}); columns present: {present}")
+      raise UserError(f"{source}: missing column {name!r} ({fmt} format needs "
+                      f"{list(REQUIRED_COLUMNS[fmt])}); columns present: {present}")
 
 
 def _field(row: Any, dotted: str, where: str) -> Any:
   cur = row
   for part in dotted.split("."):
     if not isinstance(cur, dict) or part not in cur or cur[part] is None:
-      raise ValueError(f"{where}: missing field {dotted!r}")
+      raise UserError(f"{where}: missing field {dotted!r}")
     cur = cur[part]
   return cur
 
 
+def _text(value: Any, name: str, where: str) -> str:
+  """A text field; numbers are taken as their text (an answer of 72)."""
+  if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+    raise UserError(f"{where}: field {name!r} must be a string, got {type(value).__name__}")
+  return str(value)
+
+
 def gsm8k_answer(answer: str, where: str) -> str:
   if "####" not in answer:
-    raise ValueError(f"{where}: field 'answer' has no '#### <final answer>' marker")
+    raise UserError(f"{where}: field 'answer' has no '#### <final answer>' marker")
   return answer.split("####")[-1].strip().replace(",", "")
 
 
 def parse_row(row: Any, fmt: str, where: str, instruction: str = "",
               system_prompt: str = "") -> MathRow:
   if not isinstance(row, dict):
-    raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    raise UserError(f"{where}: expected a JSON object, got {type(row).__name__}")
   if fmt == "auto":  # columnar sources fill a row's absent fields with None
     fmt = "gsm8k" if row.get("question") is not None else \
         "dapo" if row.get("prompt") is not None else None
     if fmt is None:
-      raise ValueError(f"{where}: missing field 'question' (GSM8K) or 'prompt' (DAPO)")
+      raise UserError(f"{where}: missing field 'question' (GSM8K) or 'prompt' (DAPO)")
   if fmt == "gsm8k":
-    question = _field(row, "question", where)
-    answer = gsm8k_answer(str(_field(row, "answer", where)), where)
+    question = _text(_field(row, "question", where), "question", where)
+    answer = gsm8k_answer(_text(_field(row, "answer", where), "answer", where), where)
     text = f"{question}\n{instruction}".strip() if instruction else str(question)
     messages = ({"role": "user", "content": text},)
   elif fmt == "dapo":
     prompt = _field(row, "prompt", where)
-    answer = str(_field(row, "reward_model.ground_truth", where))
+    answer = _text(_field(row, "reward_model.ground_truth", where), "reward_model.ground_truth",
+                   where)
     if isinstance(prompt, str):
       messages = ({"role": "user", "content": prompt},)
     elif isinstance(prompt, (list, tuple)) and all(
         isinstance(m, dict) and "role" in m and "content" in m for m in prompt) and prompt:
       messages = tuple({"role": m["role"], "content": m["content"]} for m in prompt)
     else:
-      raise ValueError(f"{where}: field 'prompt' must be a string or a list of "
-                       f"{{role, content}} messages")
+      raise UserError(f"{where}: field 'prompt' must be a string or a list of "
+                      f"{{role, content}} messages")
     if instruction:
       last = dict(messages[-1], content=f"{messages[-1]['content']}\n{instruction}")
       messages = messages[:-1] + (last,)
@@ -111,9 +119,11 @@ def load_math_dataset(path: str, fmt: str = "auto", instruction: str = "",
                       system_prompt: str = "", *, split: str = "train",
                       cache_dir: str | None = None) -> list[MathRow]:
   """Every row of the dataset at `path` (a file or a directory, `split` of a multi-split one);
-  missing columns raise ValueError naming the source and the columns present, a malformed row
+  missing columns raise UserError naming the source and the columns present, a malformed row
   names `file:row`. `cache_dir`: where `datasets` keeps its Arrow cache (default: its own)."""
   ds, source = open_dataset(path, split, cache_dir)
+  if not len(ds):
+    raise UserError(f"{source}: the dataset has no rows")
   check_columns(columns(ds), fmt, source)
   return [parse_row(row, fmt, f"{source}:{i}", instruction, system_prompt)
           for i, row in enumerate(ds, 1)]
@@ -161,7 +171,7 @@ class MathDatasetTask(Task):
   def __init__(self, cfg: TaskConfig, tokenizer):
     super().__init__(cfg, tokenizer)
     if not cfg.path:
-      raise ValueError("TaskConfig.path: a math dataset task needs a JSONL/parquet file")
+      raise UserError("TaskConfig.path: a math dataset task needs a JSONL/parquet file")
     rows = load_math_dataset(cfg.path, cfg.format, cfg.instruction, cfg.system_prompt)
     if cfg.val_path:
       self.val_rows = load_math_dataset(cfg.val_path, cfg.format, cfg.instruction,
@@ -170,7 +180,7 @@ class MathDatasetTask(Task):
       n_val = min(cfg.val_size, len(rows) // 2)
       rows, self.val_rows = rows[:len(rows) - n_val], rows[len(rows) - n_val:]
     if not rows:
-      raise ValueError(f"TaskConfig.path: {cfg.path} has no training rows")
+      raise UserError(f"TaskConfig.path: {cfg.path} has no training rows")
     self.rows = rows
     self.template = chat_template_of(tokenizer) if cfg.chat_template else None
 

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from specjax.errors import UserError
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example, Score, Task
 from specjax.rl.tasks.math_data import render_chat
@@ -23,7 +24,7 @@ class ReasoningGymTask(Task):
       raise ImportError("task 'reasoning_gym' needs the optional package reasoning-gym "
                         "(pip install reasoning-gym)") from e
     if not cfg.dataset:
-      raise ValueError("TaskConfig.dataset: name a reasoning-gym dataset, e.g. 'chain_sum'")
+      raise UserError("TaskConfig.dataset: name a reasoning-gym dataset, e.g. 'chain_sum'")
     self.data = reasoning_gym.create_dataset(cfg.dataset, size=cfg.dataset_size, seed=cfg.seed)
     self.val_data = reasoning_gym.create_dataset(cfg.dataset, size=max(cfg.val_size, 1),
                                                  seed=cfg.seed + 1_000_003)

@@ -24,6 +24,7 @@ import string
 
 import numpy as np
 
+from specjax.errors import UserError
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example
 from specjax.rl.tasks.chain import ScratchpadTask
@@ -50,8 +51,8 @@ class TraceTask(ScratchpadTask):
       from specjax.models.tokenizer import CharTokenizer
       tokenizer = CharTokenizer()
     if not 2 <= cfg.operands <= MAX_STEPS:
-      raise ValueError(f"TaskConfig.operands: the trace task takes 2..{MAX_STEPS} steps (letters "
-                       f"z..a), got {cfg.operands}")
+      raise UserError(f"TaskConfig.operands: the trace task takes 2..{MAX_STEPS} steps (letters "
+                      f"z..a), got {cfg.operands}")
     super().__init__(cfg, tokenizer)
 
   def _make(self, stream: int, index: int) -> Example:
