@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from program_count import assert_the_count_rises_when_programs_compile
+
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (STATIC, Drafter, EngineConfig, EngineTuning, SamplingConfig, generate,
                               speculative_generate)
@@ -324,6 +326,9 @@ def test_new_params_reuse_every_compiled_program(target):
     jax.block_until_ready(generate((graphdef, new), PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
                                    GREEDY, engine=ENGINE).tokens)
   assert eng.compiled_programs() == before
+  assert_the_count_rises_when_programs_compile(lambda: generate(
+      (graphdef, params), PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY,
+      engine=ENGINE).tokens)
 
 
 @pytest.mark.parametrize("make_key", [jax.random.key, jax.random.PRNGKey], ids=["typed", "raw"])
@@ -346,6 +351,7 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
     out = run(i)
     paths.add(tuple(s.bucket for s in out.segments))
   assert eng.compiled_programs() == before
+  assert_the_count_rises_when_programs_compile(lambda: run(1).tokens)
   assert len(paths) > 1, paths  # the rollouts did take different paths
 
 
@@ -384,6 +390,7 @@ def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target
     used |= {s.draft_len for s in later.segments}
   assert eng.compiled_programs() == before
   assert used <= set(ks) and used - {0}, used
+  assert_the_count_rises_when_programs_compile(lambda: run(1).tokens)
   assert not [r for r in caplog.records if r.name == "specjax.sampling.engine"]
 
 

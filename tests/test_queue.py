@@ -11,6 +11,8 @@ import pytest
 from flax import nnx
 
 import stats
+from program_count import assert_the_count_rises_when_programs_compile
+
 from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
@@ -234,6 +236,7 @@ def assert_nothing_compiles_after_the_first_rollout(target, engine: EngineConfig
   for i in range(1, rounds + 1):
     jax.block_until_ready(run(i).tokens)
   assert eng.compiled_programs() == before
+  assert_the_count_rises_when_programs_compile(lambda: run(0).tokens)
 
 
 def test_after_the_first_queued_rollout_nothing_compiles(target):

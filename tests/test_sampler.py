@@ -8,6 +8,8 @@ import pytest
 from flax import nnx
 
 import stats
+from program_count import assert_the_count_rises_when_programs_compile
+
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import SamplingConfig, generate, process_logits
 from specjax.sampling import buckets, engine
@@ -136,6 +138,8 @@ def test_new_policy_params_reuse_the_compiled_program(target):
     jax.block_until_ready(generate((graphdef, new), PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
                                    GREEDY).tokens)
   assert engine.compiled_programs() == before
+  assert_the_count_rises_when_programs_compile(lambda: generate(
+      (graphdef, params), PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY).tokens)
 
 
 def test_bad_inputs_raise_clear_errors(target):

@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from program_count import assert_the_count_rises_when_programs_compile
+
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import AcceptanceMetrics, SamplingConfig, generate, speculative_generate
 from specjax.drafters import DraftModelDrafter, NgramDrafter
@@ -88,6 +90,9 @@ def test_new_target_params_reuse_the_compiled_loop(target, greedy_runs):
                              jax.random.key(1), GREEDY, engine=STATIC)
   jax.block_until_ready(out.tokens)
   assert engine.compiled_programs() == before
+  assert_the_count_rises_when_programs_compile(lambda: speculative_generate(
+      (graphdef, shifted), drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY,
+      engine=STATIC).tokens)
 
 
 @pytest.mark.parametrize("width,depth", [(2, 0), (3, 1)])

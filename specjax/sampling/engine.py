@@ -171,8 +171,9 @@ def _admit(state: EngineState, new: EngineState, slots: jax.Array,
 
 class ProgramCount:
   """How many of the engine's programs XLA has compiled, or loaded from the persistent
-  compilation cache, in this process. JAX reports every compile to process-wide listeners, so
-  there is one count per process (`PROGRAMS`)."""
+  compilation cache, in this process since the engine first ran or was first asked. JAX reports
+  every compile to process-wide listeners, so there is one count per process (`PROGRAMS`); its
+  listener is registered then (`listen`), not when this module is imported."""
 
   NAMES = frozenset(f"jit({name})" for name in (  # the engine's programs, as XLA names them
       "init_state", "run_segment", "take_rows", "_summary", "_write_back", "_harvest", "_admit",
@@ -180,7 +181,12 @@ class ProgramCount:
 
   def __init__(self):
     self.count = 0
-    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+    self._listening = False
+
+  def listen(self) -> None:
+    if not self._listening:
+      self._listening = True
+      jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
   def _on_event(self, event: str, *args, fun_name: str = "", **kwargs) -> None:
     # (the event covers a compile and a load from the persistent cache alike)
@@ -195,6 +201,7 @@ def compiled_programs() -> int:
   """Programs the engine has compiled (or loaded from the persistent compilation cache) in this
   process: prefills, segments (compiled ahead of their first run, which would take their state),
   compaction's gathers, summaries and write-backs, and the queue's harvests and admissions."""
+  PROGRAMS.listen()
   return PROGRAMS.count
 
 
@@ -213,6 +220,7 @@ class _Run:
 
   def __init__(self, graphdef, params, drafter, drafter_params, cfg: SamplingConfig,
                cache_size: int, engine: EngineConfig, mesh, tuning: EngineTuning):
+    PROGRAMS.listen()
     self.graphdef, self.params = graphdef, params
     self.jit_graphdef = _HashedOnce(graphdef)  # what the jitted programs take
     self._jit_drafters = {}  # (draft_len, tree_width) -> the drafter they take, hashed once
