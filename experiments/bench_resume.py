@@ -140,7 +140,15 @@ def main(argv=None) -> dict:
     for b in burners:
       b.terminate()
   equal = sum(t["equal"] for t in tries)
+  # (what makes equality a test: the engine's K choices, which hang on the costs it reads)
+  by_k: dict[str, int] = {}
+  for r in reference.values():
+    for k, v in r.items():
+      if k.startswith("engine/steps_"):
+        by_k[k.rsplit("_", 1)[1]] = by_k.get(k.rsplit("_", 1)[1], 0) + v
+  print(f"the uninterrupted run's engine steps by K: {dict(sorted(by_k.items()))}")
   result = {"tries": tries, "equal": equal, "of": len(tries), "steps": args.steps,
+            "reference_engine_steps_by_k": by_k,
             "load_processes": args.load, "rewrite_cache": args.rewrite,
             "cpu_count": os.cpu_count(), "wall_s": time.monotonic() - t0,
             "command": " ".join(command("<dir>", args.steps))}
