@@ -15,10 +15,11 @@ import jax
 import pytest
 from flax import nnx
 
-from specjax.models import CharTokenizer, Decoder, ModelConfig
-from specjax.optim import OptimConfig
-from specjax.rl.config import CheckpointConfig, DraftConfig, RLConfig, RolloutConfig
-from specjax.rl.grpo import GRPOConfig
+# the preemption tests' tiny policy and RL config (adaptive engine, n-gram drafts)
+from test_preemption import CFG, MODEL, TOK
+
+from specjax.models import Decoder
+from specjax.rl.config import RolloutConfig
 from specjax.rl.loop import COSTS_FILE, run_rl
 from specjax.rl.metrics_log import read_metrics
 from specjax.rl.preemption import Preempted
@@ -27,13 +28,6 @@ from specjax.sampling.calibration import CostTable, EngineTuning
 from specjax.sampling.cost_cache import (CostCache, RunCosts, cost_key, cost_problem,
                                          implausible_keys, plausible_range)
 
-TOK = CharTokenizer()
-MODEL = ModelConfig(vocab_size=TOK.vocab_size, hidden_size=16, num_layers=1, num_heads=2,
-                    num_kv_heads=1, head_dim=8, mlp_hidden=32)
-CFG = RLConfig(model=MODEL, grpo=GRPOConfig(group_size=2), prompts_per_step=2, steps=4,
-               rollout=RolloutConfig(max_new_tokens=6), policy_optim=OptimConfig(lr=1e-2),
-               draft=DraftConfig(kind="ngram"), checkpoint=CheckpointConfig(),
-               progress=False, tensorboard=False)
 # what must be equal between two runs of one trajectory
 EXACT = ("reward/mean", "gen/tokens", "spec/num_drafts", "pg_loss", "grad_norm/policy")
 POISON = {"zero": [0.0, 0.005], "negative": [-0.001, 0.0], "nan": [float("nan"), 0.001],

@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from specjax.errors import UserError
 from specjax.models.config import ModelConfig, RopeScaling
+from specjax.models.tokenizer import read_json
 
 # architecture -> (model_type, whether the family normalises q and k per head)
 ARCHITECTURES = {"Qwen3ForCausalLM": ("qwen3", True), "LlamaForCausalLM": ("llama", False)}
@@ -20,14 +20,7 @@ def _read_config(path_or_dict) -> tuple[dict, str]:
   file = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
   if not os.path.isfile(file):
     raise UserError(f"Hugging Face import: {file} does not exist")
-  try:
-    with open(file, encoding="utf-8") as f:
-      hf = json.load(f)
-  except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
-    raise UserError(f"{file}: not valid JSON ({e})") from None
-  if not isinstance(hf, dict):
-    raise UserError(f"{file}: expected a JSON object, got {type(hf).__name__}")
-  return hf, file
+  return read_json(file), file
 
 
 def rope_from_hf(hf: dict, source: str) -> tuple[float, RopeScaling | None]:

@@ -125,7 +125,8 @@ def resolve_chat_template(folder: str, choice: str | None) -> tuple[str | None, 
 
 
 def read_json(file: str) -> dict:
-  """A tokenizer directory's JSON object file; a damaged one is an error naming it."""
+  """A checkpoint's JSON object file (config.json, tokenizer.json, ...); a damaged one is an
+  error naming it."""
   try:
     with open(file, encoding="utf-8") as f:
       value = json.load(f)
