@@ -18,7 +18,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import time
 import warnings
@@ -28,21 +27,10 @@ import jax
 import numpy as np
 
 from specjax.errors import UserError
+from specjax.rl.checkpoint_damage import COMMITTED_MARKER, step_damage
 from specjax.rl.metrics_log import RunWriteError, write_cause
 
-COMMITTED_MARKER = "_CHECKPOINT_METADATA"  # orbax writes it last into a finalized step dir
-
-# What orbax writes into a finalized step dir of this Checkpointer: the commit marker (JSON), the
-# meta item (one JSON file) and the state item, its tree metadata (JSON) and an OCDBT database:
-# a manifest naming data files under state/d/ (the per-process databases are merged into it
-# when the save finalizes). A restore reads the meta file, the manifest and the data files.
-STEP_JSON_FILES = (COMMITTED_MARKER, "meta/metadata", "state/_METADATA")
-OCDBT_MANIFEST = "state/manifest.ocdbt"
-META_KEYS = ("step", "data_position", "paths", "rng", "extra")
-# a file named in an error of tensorstore (orbax's array store)
-_LOCAL_FILE = re.compile(r'local file "([^"]+)"')
-_STORE_KEY = re.compile(r'"([^"]+)" in OCDBT database')
-
+META_KEYS = ("step", "data_position", "paths", "rng", "extra")  # what a restore reads of meta
 
 # RLConfig fields that do not change the trajectory of a run: where and how often it is saved,
 # logged and validated, how long it runs (see `run_identity` for the schedules) and the mesh
@@ -172,37 +160,6 @@ def _sync_processes(name: str) -> None:
 def _flat(tree: Any) -> tuple[list[str], list[Any]]:
   leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
   return [jax.tree_util.keystr(p) for p, _ in leaves], [x for _, x in leaves]
-
-
-def _store_damage(step_dir: str, error: BaseException) -> str | None:
-  """Which of the step's array files tensorstore found missing, truncated or undecodable, from
-  `error` or the errors it chains; None for any other failure. tensorstore names the file and
-  a status: DATA_LOSS or "Error decoding" (a manifest or data file that does not decode),
-  OUT_OF_RANGE on a byte range past a file's end (one shorter than its manifest says) and
-  NOT_FOUND (checked: the file is gone, or the manifest lacks the array). Its other statuses (an
-  I/O error, a permission, a full or unavailable store) prove nothing about the checkpoint."""
-  root = os.path.realpath(step_dir) + os.sep
-  rel = lambda f: os.path.relpath(f, step_dir) + ("/" if f.endswith("/") else "")
-  seen = set()
-  while error is not None and id(error) not in seen:
-    seen.add(id(error))
-    msg = str(error)
-    files = [f for f in _LOCAL_FILE.findall(msg)
-             if (os.path.realpath(f) + os.sep).startswith(root)]
-    if files:  # the innermost file named is the one that failed
-      if msg.startswith("DATA_LOSS:") or "Error decoding" in msg:
-        return f"{rel(files[-1])} does not decode"
-      if msg.startswith("OUT_OF_RANGE:") and "is not valid for value of size" in msg:
-        return f"{rel(files[-1])} is shorter than its manifest says"
-      if msg.startswith("NOT_FOUND:"):
-        gone = [f for f in files if not os.path.exists(f)]
-        if gone:
-          return f"{rel(gone[-1])} is missing"
-        key = _STORE_KEY.search(msg)
-        if key and "does not exist" in msg:
-          return f"the array store {rel(files[-1])} lacks {key.group(1)}"
-    error = error.__cause__ or error.__context__
-  return None
 
 
 class Checkpointer:
@@ -362,30 +319,6 @@ class Checkpointer:
     meta["rng"] = np.asarray(meta["rng"], np.uint32)
     return jax.tree_util.tree_unflatten(treedef, restored), meta
 
-  def _damage(self, step: int, error: BaseException) -> str | None:
-    """Why step `step` is damaged, as its files show after `error` while restoring it; None when
-    nothing proves it (the error may be transient: an I/O error, a sharding error)."""
-    d = os.path.join(self.directory, str(step))
-    parsed = {}
-    try:
-      for rel in STEP_JSON_FILES:
-        path = os.path.join(d, rel)
-        if not os.path.isfile(path):
-          return f"{rel} is missing"
-        with open(path, "rb") as f:
-          raw = f.read()
-        try:
-          parsed[rel] = json.loads(raw)
-        except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
-          return f"{rel} does not parse: {e}"
-      ocdbt = not isinstance(parsed["state/_METADATA"], dict) or \
-          parsed["state/_METADATA"].get("use_ocdbt", True)
-      if ocdbt and not os.path.isfile(os.path.join(d, OCDBT_MANIFEST)):
-        return f"{OCDBT_MANIFEST} is missing"
-    except OSError:  # the files cannot be read now: no proof either way
-      return None
-    return _store_damage(d, error)
-
   def _restore_checked(self, step: int, template: Any) -> tuple[Any, dict]:
     """`_restore_step`, its failure raised as `DamagedCheckpoint` where the checkpoint's files
     prove it damaged; any other error as it is, with a note that nothing was moved."""
@@ -394,7 +327,7 @@ class Checkpointer:
     except (CheckpointMismatch, DamagedCheckpoint):
       raise
     except Exception as e:
-      reason = self._damage(step, e)
+      reason = step_damage(os.path.join(self.directory, str(step)), e)
       if reason is None:
         e.add_note(f"Checkpointer: restoring checkpoint {step} in {self.directory} failed and its "
                    f"files show no damage: the run stops here, no checkpoint moved")
