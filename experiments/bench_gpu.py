@@ -96,7 +96,7 @@ from flax import nnx  # noqa: E402
 from specjax.drafters import DraftModelDrafter, truncated_copy  # noqa: E402
 from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
-from specjax.models import cache, paged  # noqa: E402
+from specjax.models import cache, paged, paged_attention  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, generate, speculative_generate)
 from specjax.sim.measure import time_forward  # noqa: E402
@@ -599,7 +599,7 @@ def fastest_launch(results: dict) -> tuple[int, int] | None:
   if name is None:
     return None
   if name == "pallas":
-    return paged.PAGES_PER_BLOCK, paged.NUM_WARPS or 0
+    return paged_attention.PAGES_PER_BLOCK, paged_attention.NUM_WARPS or 0
   pages, warps = re.fullmatch(r"pallas_p(\d+)_w(\w+)", name).groups()
   return int(pages), 0 if warps == "default" else int(warps)
 
@@ -633,7 +633,7 @@ def paged_stage(a, results: dict) -> None:
   cpu = jax.devices("cpu")[0]
 
   def kernel(*args, **kw):
-    return paged.paged_attention(*args, implementation="pallas", interpret=interpret, **kw)
+    return paged_attention.paged_attention(*args, implementation="pallas", interpret=interpret, **kw)
 
   # 1. the kernel against the reference (run on the host CPU in float32) on awkward page tables
   checks = []
@@ -648,7 +648,7 @@ def paged_stage(a, results: dict) -> None:
         table[2] = paged.NO_PAGE  # a padding row (stale length): sees nothing, returns 0
         kw = {"layer": jnp.int32(1)} if layers else {}
         with jax.default_device(cpu):
-          want = np.asarray(paged.paged_attention_reference(q, pk, pv, table, lengths, start,
+          want = np.asarray(paged_attention.paged_attention_reference(q, pk, pv, table, lengths, start,
                                                             **kw))
         cast = lambda x: jnp.asarray(x, dtype)
         rec = {"tokens": t, "dtype": dtype, "stacked": bool(layers)}
@@ -673,7 +673,7 @@ def paged_stage(a, results: dict) -> None:
   q, pk, pv, table, lengths, start = paged_problem(rng, 4, a.draft_len + 1, h, hkv, dh, lengths, 3)
   table[0, 0], table[2] = paged.NO_PAGE, paged.NO_PAGE
   with jax.default_device(cpu):
-    want = np.asarray(paged.paged_attention_reference(q, pk, pv, table, lengths, start,
+    want = np.asarray(paged_attention.paged_attention_reference(q, pk, pv, table, lengths, start,
                                                       layer=jnp.int32(1)))
   res["launch_checks"] = []
   for per, warps in launches:
@@ -708,13 +708,13 @@ def paged_stage(a, results: dict) -> None:
            "mean_len": float(lengths.mean()), "kv_gbytes": kv_bytes / 1e9, "dtype": a.dtype}
     variants = [(impl, None) for impl in impls] + [
         ("pallas", launch) for launch in launches
-        if launch != (paged.PAGES_PER_BLOCK, paged.NUM_WARPS or 0)]
+        if launch != (paged_attention.PAGES_PER_BLOCK, paged_attention.NUM_WARPS or 0)]
     for impl, launch in variants:
       fn = jax.jit(kernel if impl == "pallas" and launch is None else
                    functools.partial(kernel, pages_per_block=launch[0],
                                      num_warps=launch[1] or None) if impl == "pallas" else
-                   paged.paged_attention_reference if impl == "reference" else
-                   functools.partial(paged.paged_attention_chunked, min_bytes=0))
+                   paged_attention.paged_attention_reference if impl == "reference" else
+                   functools.partial(paged_attention.paged_attention_chunked, min_bytes=0))
       if launch is not None:  # a launch setting other than the default's
         impl = f"pallas_p{launch[0]}_w{launch[1] or 'default'}"
       try:

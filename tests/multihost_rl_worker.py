@@ -18,7 +18,7 @@ import numpy as np
 # tensor=4 splits the heads and the MLP (policy and draft head, with their Adam moments) across
 # the two processes. The batch stays whole on every device: rows split over processes (data or
 # fsdp across them) would need the rollout engine to gather its per-segment summary across
-# processes, which it does not do (sampling/engine.py fetches it with jax.device_get).
+# processes, which it does not do (the engine fetches it with jax.device_get).
 MESH_SHAPE = (1, 1, 4)
 STEPS = 2
 # Compared exactly: they follow from the sampled tokens alone. The random draws do not depend on

@@ -277,7 +277,7 @@ def test_cache_attention_reads_in_chunks_only_on_the_chunked_read_backends(monke
   """By default `attend_cache` and the pure-JAX paged path loop over chunks on CPU (for buffers
   past the byte floor) and read whole elsewhere: on a GPU a loop of dynamic length hands its
   condition to the host at every iteration. The backend list is read at trace time."""
-  from specjax.models import cache, paged
+  from specjax.models import cache, paged_attention
   from specjax.models.layers import attend_cache
   b, s, h, hkv, dh = 2, 64, 4, 2, 8
   q = jnp.ones((b, 1, h, dh))
@@ -290,7 +290,7 @@ def test_cache_attention_reads_in_chunks_only_on_the_chunked_read_backends(monke
 
   def loops() -> tuple[bool, bool]:  # (fresh functions: traces are cached per function)
     dense = jax.make_jaxpr(lambda *a: attend_cache(*a))(q, k, v, mask)
-    pages = jax.make_jaxpr(lambda *a: paged.paged_attention_chunked(*a))(
+    pages = jax.make_jaxpr(lambda *a: paged_attention.paged_attention_chunked(*a))(
         q, pool, pool, table, lengths, start)
     return "while" in str(dense), "while" in str(pages)
 

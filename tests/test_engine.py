@@ -18,8 +18,10 @@ from specjax.sampling import (STATIC, Drafter, EngineConfig, EngineTuning, Sampl
                               speculative_generate)
 from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine as eng
+from specjax.sampling.engine import programs
 from specjax.sampling import buckets
-from specjax.sampling.calibration import CostCache, CostTable
+from specjax.sampling.cost_cache import CostCache
+from specjax.sampling.cost_table import CostTable
 from specjax.sampling.adaptive import (AcceptanceEstimate, DraftLenPolicy, DraftShapePolicy,
                                       best_draft_len)
 from specjax.sharding import MeshConfig, make_mesh, shard_model
@@ -291,7 +293,7 @@ def test_a_segment_updates_its_state_in_place_so_the_cache_is_held_once(target, 
   given instead of new ones, so a rollout does not hold its KV memory twice while a segment
   runs. The speculative engine's segments (target and draft caches) too, and their rollouts are
   those of the plain loop."""
-  calls, real = [], eng._segment_jit
+  calls, real = [], programs.segment_jit
 
   class Recorded:  # the segment program, its calls recorded
     lower = real.lower
@@ -300,7 +302,7 @@ def test_a_segment_updates_its_state_in_place_so_the_cache_is_held_once(target, 
       calls.append((a, kw))
       return real(*a, **kw)
 
-  monkeypatch.setattr(eng, "_segment_jit", Recorded())
+  monkeypatch.setattr(programs, "segment_jit", Recorded())
   drafter, dparams = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(1)), draft_len=2)
   out = speculative_generate(target, drafter, dparams, PROMPTS, PROMPT_LENGTHS,
                              jax.random.key(0), GREEDY, engine=ENGINE)
@@ -407,7 +409,7 @@ def test_by_default_a_bucket_compiles_when_a_rollout_first_reaches_it(target):
                    engine=EngineConfig(adaptive=False), tuning=tuning)
     reached |= {s.bucket for s in out.segments}
     counts.append(len(reached))
-    assert eng._segment_jit._cache_size() == len(reached), (i, reached)
+    assert programs.segment_jit._cache_size() == len(reached), (i, reached)
   assert counts[0] < 4 and len(set(counts)) > 1, counts  # buckets skipped at first, then reached
   ahead = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(3), sampled,
                    engine=EngineConfig(adaptive=False, compile_ahead=True))
@@ -426,9 +428,9 @@ def test_sharded_generation_equals_one_device_with_rows_sharded(target, static_a
   assert min(s.bucket for s in out.segments) == dp  # buckets stay divisible by the dp size
   # the state the segments step is split over the data-parallel axes, caches included
   graphdef, state_params = nnx.split(sharded)
-  state = eng._init_jit(eng._HashedOnce(graphdef), state_params, None, None, PROMPTS,
-                        PROMPT_LENGTHS, jax.random.key(0), cfg=GREEDY, cache_size=32,
-                        max_draft_len=1, mesh=mesh)
+  state = programs.init_jit(programs.HashedOnce(graphdef), state_params, None, None, PROMPTS,
+                            PROMPT_LENGTHS, jax.random.key(0), cfg=GREEDY, cache_size=32,
+                            max_draft_len=1, mesh=mesh)
   for x in (state.tokens, state.cache.k[0], state.cache.lengths, state.seq.tokens):
     spec = x.sharding.spec
     assert spec and spec[0] is not None, f"rows replicated: {spec}"
@@ -613,18 +615,19 @@ def test_a_dry_segment_steps_and_gives_the_state_back_as_it_was(target):
   from specjax.sampling.segment import SegmentSpec
 
   graphdef, params = nnx.split(target)
-  graphdef = eng._HashedOnce(graphdef)  # as the engine passes it (the drafter too)
+  graphdef = programs.HashedOnce(graphdef)  # as the engine passes it (the drafter too)
   drafter, dparams = DraftModelDrafter.from_model(Decoder(CFG, rngs=nnx.Rngs(1)), draft_len=2)
-  drafter = eng._HashedOnce(drafter)
+  drafter = programs.HashedOnce(drafter)
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
-  init = lambda: eng._init_jit(graphdef, params, drafter, dparams, PROMPTS, PROMPT_LENGTHS,
-                               jax.random.key(3), cfg=sampled, cache_size=40, max_draft_len=2)
+  init = lambda: programs.init_jit(graphdef, params, drafter, dparams, PROMPTS, PROMPT_LENGTHS,
+                                   jax.random.key(3), cfg=sampled, cache_size=40,
+                                   max_draft_len=2)
 
   def run(state, k, commit, key=0):
-    return eng._segment_jit(graphdef, params, drafter if k else None, dparams,
-                            jax.random.key(key), state, jnp.int32(6), jnp.int32(0),
-                            spec=SegmentSpec(cfg=sampled, draft_len=k, window=0),
-                            stop_at_paused=jnp.int32(1), commit=jnp.asarray(commit))
+    return programs.segment_jit(graphdef, params, drafter if k else None, dparams,
+                                jax.random.key(key), state, jnp.int32(6), jnp.int32(0),
+                                spec=SegmentSpec(cfg=sampled, drafts=k > 0, window=0),
+                                stop_at_paused=jnp.int32(1), commit=jnp.asarray(commit))
 
   kv_buffer = lambda path: any(getattr(p, "name", None) in ("k", "v") for p in path)
   for k in (0, 2):

@@ -14,10 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.models import paged
+from specjax.models import paged, paged_attention
 from specjax.models.layers import attend, attend_cache, causal_mask
-from specjax.sampling import pages, paging
-from specjax.sampling.pages import NO_PAGE, PADDING_ROW, PageAllocator
+from specjax.sampling import page_allocator as pages
+from specjax.sampling.engine import slot_pages
+from specjax.sampling.page_allocator import NO_PAGE, PADDING_ROW, PageAllocator
 
 HKV, DH, PAGE = 2, 16, 4
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -82,7 +83,7 @@ def _problem(seed, t, heads, batch=4, width=6, num_pages=30):
 @pytest.mark.parametrize("t,heads", [(1, 2), (1, 4), (5, 4), (5, 6)])
 def test_reference_equals_dense_attention(t, heads):
   q, k, v, pool_k, pool_v, table, lengths, start = _problem(t * 10 + heads, t, heads)
-  got = jax.jit(paged.paged_attention_reference)(q, pool_k, pool_v, table, lengths, start)
+  got = jax.jit(paged_attention.paged_attention_reference)(q, pool_k, pool_v, table, lengths, start)
   chex.assert_shape(got, q.shape)
   np.testing.assert_allclose(got, _dense_reference(q, k, v, lengths, start), atol=2e-6)
 
@@ -97,7 +98,7 @@ def test_reference_with_short_lengths_and_padding_rows():
   keep = np.array([0, 1, 3])
   want = _dense_reference(q[keep], k[keep], v[keep], lengths[keep], start[keep])
   for max_len in (None, int(lengths.max())):
-    got = jax.jit(paged.paged_attention_reference, static_argnames="max_len")(
+    got = jax.jit(paged_attention.paged_attention_reference, static_argnames="max_len")(
         q, pool_k, pool_v, table, lengths, start, max_len=max_len)
     np.testing.assert_allclose(got[keep], want, atol=2e-6)
     np.testing.assert_array_equal(got[2], 0.0)
@@ -170,8 +171,8 @@ def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer, per):
     pool_v[layer] = _problem(100 + t, t, heads, batch=3)[4]
   args = (q, pool_k, pool_v, table, lengths, start)
   kw = {"layer": None if layer is None else jnp.int32(layer)}
-  want = paged.paged_attention_reference(*args, **kw)
-  got = jax.jit(lambda *a: paged.paged_attention(*a, implementation="pallas", interpret=True,
+  want = paged_attention.paged_attention_reference(*args, **kw)
+  got = jax.jit(lambda *a: paged_attention.paged_attention(*a, implementation="pallas", interpret=True,
                                                  pages_per_block=per, **kw))(*args)
   chex.assert_shape(got, q.shape)
   np.testing.assert_allclose(got, want, atol=2e-6)
@@ -191,7 +192,7 @@ def test_pallas_kernel_lowers_to_triton_for_cuda_at_every_launch_setting(t):
   for per in (1, 2, 4, 8):
     for warps in (None, 8):
       def attend(q, pk, pv, table, lengths, start, per=per, warps=warps):
-        return paged.paged_attention(q, pk, pv, table, lengths, start, layer=1,
+        return paged_attention.paged_attention(q, pk, pv, table, lengths, start, layer=1,
                                      implementation="pallas", pages_per_block=per,
                                      num_warps=warps)
       text = jax.jit(attend).trace(q, pool, pool, table, rows, rows).lower(
@@ -219,8 +220,8 @@ def test_chunked_pure_jax_path_equals_reference(t, heads, layer, width):
     pool_k, pool_v = stacked_k, stacked_v
   args = (q, pool_k, pool_v, table, lengths, start)
   kw = {"layer": None if layer is None else jnp.int32(layer)}
-  want = paged.paged_attention_reference(*args, **kw)
-  got = jax.jit(lambda *a: paged.paged_attention_chunked(*a, chunk=2 * PAGE, min_bytes=0,
+  want = paged_attention.paged_attention_reference(*args, **kw)
+  got = jax.jit(lambda *a: paged_attention.paged_attention_chunked(*a, chunk=2 * PAGE, min_bytes=0,
                                                          **kw))(*args)
   np.testing.assert_allclose(got, want, atol=2e-6)
   np.testing.assert_array_equal(got[2], 0.0)
@@ -267,20 +268,20 @@ def test_paged_attention_dispatch():
   q, _, _, pool_k, pool_v, table, lengths, start = _problem(5, 1, 4)
   args = (q, pool_k, pool_v, table, lengths, start)
   if jax.default_backend() != "gpu":
-    np.testing.assert_array_equal(paged.paged_attention(*args),
-                                  paged.paged_attention_reference(*args))
+    np.testing.assert_array_equal(paged_attention.paged_attention(*args),
+                                  paged_attention.paged_attention_reference(*args))
   with pytest.raises(ValueError, match="implementation='triton'"):
-    paged.paged_attention(*args, implementation="triton")
+    paged_attention.paged_attention(*args, implementation="triton")
   with pytest.raises(ValueError, match="page_size=4"):  # too small for the GPU kernel
-    paged.paged_attention(*args, implementation="pallas")
+    paged_attention.paged_attention(*args, implementation="pallas")
   with pytest.raises(ValueError, match="with `layer`"):
-    paged.paged_attention(*args, layer=0)
+    paged_attention.paged_attention(*args, layer=0)
   with pytest.raises(ValueError, match="pages_per_block=3"):
-    paged.paged_attention(*args, implementation="pallas", interpret=True, pages_per_block=3)
+    paged_attention.paged_attention(*args, implementation="pallas", interpret=True, pages_per_block=3)
   # launch settings are the kernel's; the other paths ignore them (one config for every backend)
   np.testing.assert_array_equal(
-      paged.paged_attention(*args, implementation="chunked", pages_per_block=4, num_warps=4),
-      paged.paged_attention(*args, implementation="chunked"))
+      paged_attention.paged_attention(*args, implementation="chunked", pages_per_block=4, num_warps=4),
+      paged_attention.paged_attention(*args, implementation="chunked"))
 
 
 def test_shared_prefix_pages_and_copies_serve_every_sample():
@@ -305,7 +306,7 @@ def test_shared_prefix_pages_and_copies_serve_every_sample():
   pk, pv = copy_pages(pk, src, dst), copy_pages(pv, src, dst)
   kv = kv.replace(k=pk, v=pv).with_lengths(np.full(group, prompt))
   q = np.repeat(rng.normal(size=(1, 1, heads, DH)).astype(np.float32), group, 0)
-  out = jax.jit(paged.paged_attention_reference)(q, kv.k, kv.v, kv.page_table, kv.lengths,
+  out = jax.jit(paged_attention.paged_attention_reference)(q, kv.k, kv.v, kv.page_table, kv.lengths,
                                                  kv.lengths - 1, layer=0)
   want = attend(q[:1], k, v, jnp.ones((1, 1, prompt), bool))
   np.testing.assert_allclose(out, np.repeat(want, group, 0), atol=2e-6)
@@ -321,11 +322,11 @@ def test_shared_prefix_pages_and_copies_serve_every_sample():
 
 def test_layering():
   """The allocator imports no jax; the device module nothing from sampling (models layer)."""
-  code = ("import sys, specjax.sampling.pages; "
+  code = ("import sys, specjax.sampling.page_allocator; "
           "assert 'jax' not in sys.modules, 'pages imported jax'; "
           "import specjax.models.paged; "
           "assert [m for m in sys.modules if m.startswith('specjax.sampling.')] == "
-          "['specjax.sampling.pages'], 'paged imported sampling'")
+          "['specjax.sampling.page_allocator'], 'paged imported sampling'")
   subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
   assert pages.NO_PAGE == paged.NO_PAGE
 
@@ -511,7 +512,7 @@ def test_a_row_that_cannot_grow_always_finds_rows_to_swap_out_for_it():
 @pytest.mark.parametrize("found", [None, []], ids=["none", "empty"])
 def test_a_swap_that_finds_no_row_to_swap_out_is_an_internal_error_that_changes_nothing(
     monkeypatch, found):
-  rep = paging.ReplicaPages(num_pages=4, page_size=PAGE, cache_size=4 * PAGE, page_ahead=PAGE)
+  rep = slot_pages.ReplicaPages(num_pages=4, page_size=PAGE, cache_size=4 * PAGE, page_ahead=PAGE)
   assert rep.alloc.admit(0, 2 * PAGE) and rep.alloc.admit(1, PAGE)
   monkeypatch.setattr(rep.alloc, "preempt_candidates", lambda need, keep=(): found)
   with pytest.raises(RuntimeError, match=re.escape(

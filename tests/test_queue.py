@@ -18,10 +18,12 @@ from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
                               speculative_generate)
 from specjax.sampling import engine as eng
+from specjax.sampling.engine import batch as batch_programs
+from specjax.sampling.engine import programs
 from specjax.sampling.adaptive import RefillPolicy, best_refill
 from specjax.sampling.buckets import queue_slots
 from specjax.sampling.metrics import AcceptanceMetrics
-from specjax.sampling.paging import bytes_per_page
+from specjax.sampling.engine.paged_state import bytes_per_page
 from specjax.sharding import MeshConfig, make_mesh, shard_model
 
 CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -59,7 +61,7 @@ def test_refills_and_compaction_update_the_state_in_place(target, static_ar, mon
   calls = {}
 
   def record(name):
-    real = getattr(eng, name)
+    real = getattr(batch_programs, name)
 
     class Recorded:
       lower = real.lower
@@ -68,10 +70,10 @@ def test_refills_and_compaction_update_the_state_in_place(target, static_ar, mon
         calls.setdefault(name, []).append(a)
         return real(*a, **kw)
 
-    monkeypatch.setattr(eng, name, Recorded())
+    monkeypatch.setattr(batch_programs, name, Recorded())
     return real
 
-  real = {name: record(name) for name in ("_harvest", "_admit", "_write_back")}
+  real = {name: record(name) for name in ("harvest", "admit", "write_back")}
   out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
                  engine=EngineConfig(max_rows=8))
   assert_same_rollout(out, static_ar)
@@ -80,7 +82,7 @@ def test_refills_and_compaction_update_the_state_in_place(target, static_ar, mon
                             for x in jax.tree.leaves(tree))
   for name, fn in real.items():
     args = jax.tree.map(shape, calls[name][0])  # (the call took its arguments' buffers)
-    full = args[1] if name == "_harvest" else args[0]  # the full-size state
+    full = args[1] if name == "harvest" else args[0]  # the full-size state
     memory = fn.lower(*args).compile().memory_analysis()
     assert memory.alias_size_in_bytes >= nbytes(full.cache) > 0, (name, memory)
 
@@ -160,13 +162,13 @@ def test_a_groups_samples_take_slots_as_they_free_from_one_prefill(target, monke
   lengths = jnp.repeat(PROMPT_LENGTHS[:6], 4)
   static = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=STATIC)
   prefilled = []
-  real = eng._init_jit
+  real = programs.init_jit
 
   def counted(graphdef, params, drafter, drafter_params, prompts, *args, **kwargs):
     prefilled.append(prompts.shape[0])
     return real(graphdef, params, drafter, drafter_params, prompts, *args, **kwargs)
 
-  monkeypatch.setattr(eng, "_init_jit", counted)
+  monkeypatch.setattr(programs, "init_jit", counted)
   # (refills of 2 throughout: none chosen from costs, whose timing would prefill too)
   engine = EngineConfig(max_rows=8, refill_fraction=0.25, refill_from_costs=False)
   assert queue_slots(24, 8, 4, 1, 0.25) == (8, 2, 4)

@@ -58,7 +58,7 @@ def test_an_out_dir_that_is_or_lies_under_a_file_is_refused_naming_the_file(tmp_
 
 def test_a_kv_budget_no_row_fits_in_is_refused_from_the_config_as_the_engine_would():
   from specjax.rl.config import RolloutConfig
-  from specjax.sampling.paging import bytes_per_page, pool_size
+  from specjax.sampling.engine.paged_state import bytes_per_page, pool_size
 
   def cfg(gb, max_prompt_len=0):
     return ExperimentConfig(rl=RLConfig(rollout=RolloutConfig(

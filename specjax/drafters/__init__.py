@@ -7,7 +7,8 @@ offline trainer of the learned heads (`train.py`).
 Drafters plug into `specjax.sampling`'s rollout engine through its `Drafter` protocol and into the
 RL train step through their method's online loss. Importing this package (or any module in it)
 registers every built-in method: `none`, `ngram`, `group-ngram`, `draft-model`, `eagle3`, `mtp`,
-`history` and `eagle3-history` (each prompt's earlier completions, `history.py`).
+`history` and `eagle3-history` (each prompt's earlier completions: `history.py`, its host store
+`history_store.py`).
 """
 
 from specjax.drafters.methods import (DraftInit, DraftLossInputs, DraftMethod, DraftMethodBase,
@@ -18,11 +19,10 @@ from specjax.drafters.checkpoint import load_head, save_head
 from specjax.drafters.eagle3 import (ChainDrafter, ChainState, Eagle3Drafter, Eagle3Method,
                                      Eagle3Params, eagle3_drafter)
 from specjax.drafters.history import (Eagle3HistoryMethod, HistoryDrafter, HistoryMethod,
-                                      HistoryParams, HistoryState, HistoryStore, HistoryTable,
-                                      history_lookup, prompt_key, prompt_keys)
+                                      HistoryParams, HistoryState, history_lookup)
+from specjax.drafters.history_store import HistoryStore, HistoryTable, prompt_key, prompt_keys
 from specjax.drafters.head import Eagle3Head, HeadConfig, init_head
-from specjax.drafters.mtp import (MtpDrafter, MtpMethod, masked_cross_entropy, mtp_drafter,
-                                  mtp_loss, split_mtp)
+from specjax.drafters.mtp import MtpDrafter, MtpMethod, mtp_drafter, mtp_loss, split_mtp
 from specjax.drafters.train import (DraftTrainConfig, DraftTrainResult, Rollouts,
                                     collect_rollouts, draft_train_step, eval_ttt,
                                     train_draft_head)
@@ -45,6 +45,6 @@ __all__ = [
     "ChainDrafter", "ChainState", "Eagle3Drafter", "Eagle3Method", "Eagle3Params", "eagle3_drafter",
     "HistoryDrafter", "HistoryMethod", "Eagle3HistoryMethod", "HistoryParams", "HistoryState",
     "HistoryStore", "HistoryTable", "history_lookup", "prompt_key", "prompt_keys",
-    "MtpDrafter", "MtpMethod", "mtp_drafter", "mtp_loss", "masked_cross_entropy", "split_mtp",
+    "MtpDrafter", "MtpMethod", "mtp_drafter", "mtp_loss", "split_mtp",
     "save_head", "load_head",
 ]

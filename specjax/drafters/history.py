@@ -1,8 +1,9 @@
 """History drafting: the completions earlier rollouts gave the same prompt, as a lookup corpus.
 
 RL revisits its prompts epoch after epoch, and as the policy converges its answers to a prompt
-repeat. `HistoryStore` (host) keeps, per prompt, its most recent completions within fixed caps;
-before a rollout it hands the device a `HistoryTable` of static shape. `HistoryDrafter` loads
+repeat. `HistoryStore` (host, `specjax.drafters.history_store`) keeps, per prompt, its most
+recent completions within fixed caps; before a rollout it hands the device a `HistoryTable` of
+static shape. `HistoryDrafter` loads
 each row's entries when the row is prefilled (the prompt's hash, computed on the device, finds
 them), and drafts the continuation of the row's last n tokens in them, the occurrence nearest the
 row's own position first. Where the history has no match the drafter falls back to its `inner`
@@ -18,55 +19,19 @@ costs acceptance, never correctness).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import struct
 
 from specjax.config_tree import check
 from specjax.drafters.eagle3 import Eagle3Method
+from specjax.drafters.history_store import HistoryTable, prompt_keys
 from specjax.drafters.methods import DraftMethodBase, register_method
 from specjax.drafters.ngram import _windows_match, lookup
-from specjax.errors import UserError
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
-
-_MULT = np.uint32(0x9E3779B1)  # odd: multiplication is a bijection mod 2^32
-_SEED = np.uint32(0x85EBCA6B)
-
-
-def prompt_keys(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
-  """uint32[B]: a hash of each row's first lengths[b] tokens (the same as `prompt_key`)."""
-  width = tokens.shape[1]
-  powers = jnp.cumprod(jnp.full((width,), _MULT, jnp.uint32)) * _SEED  # mod 2^32
-  live = jnp.arange(width)[None, :] < lengths[:, None]
-  terms = jnp.where(live, (tokens.astype(jnp.uint32) + jnp.uint32(1)) * powers[None, :], 0)
-  return jnp.sum(terms, axis=1, dtype=jnp.uint32) + lengths.astype(jnp.uint32)
-
-
-def prompt_key(tokens) -> int:
-  """The hash `prompt_keys` computes on the device, of one prompt's token ids, on the host."""
-  t = np.asarray(tokens, np.uint32)
-  with np.errstate(over="ignore"):
-    powers = np.cumprod(np.full((len(t),), _MULT, np.uint32), dtype=np.uint32) * _SEED
-    return int((np.sum((t + np.uint32(1)) * powers, dtype=np.uint32) + np.uint32(len(t)))
-               & 0xFFFFFFFF)
-
-
-@struct.dataclass
-class HistoryTable:
-  """What the device sees of a `HistoryStore`: M prompt slots of H entries of W tokens. An entry
-  holds the last `tail` tokens of its prompt, then the completion (cut at W)."""
-
-  keys: jax.Array  # uint32[M] prompt hash
-  prompt_lengths: jax.Array  # int32[M]; -1: an empty slot
-  tokens: jax.Array  # int32[M, H, W]
-  lengths: jax.Array  # int32[M, H] tokens held per entry (0: empty)
-  tail: int = struct.field(pytree_node=False, default=3)
-
 
 @struct.dataclass
 class HistoryParams:
@@ -79,167 +44,6 @@ class HistoryState:
   tokens: jax.Array  # int32[B, H, W] the row's prompt's entries
   lengths: jax.Array  # int32[B, H]
   inner: Any = ()
-
-
-class HistoryStore:
-  """Per prompt (keyed by its token ids), the `per_prompt` most recent completions, for at most
-  `max_prompts` prompts (the least recently recorded prompt is evicted first): memory is
-  max_prompts x per_prompt x width int32 on the device whatever the run's length. `tail` prompt
-  tokens precede each completion, so a row's first drafts can match its prompt's end."""
-
-  def __init__(self, max_prompts: int, per_prompt: int, width: int, tail: int):
-    check(max_prompts >= 1, "HistoryStore.max_prompts", f"must be >= 1, got {max_prompts}")
-    check(per_prompt >= 1, "HistoryStore.per_prompt", f"must be >= 1, got {per_prompt}")
-    check(tail >= 1, "HistoryStore.tail", f"must be >= 1, got {tail}")
-    check(width > tail, "HistoryStore.width", f"must be > tail = {tail}, got {width}")
-    self.max_prompts, self.per_prompt, self.width, self.tail = max_prompts, per_prompt, width, tail
-    self._clear()
-
-  def _clear(self) -> None:
-    max_prompts, per_prompt, width = self.max_prompts, self.per_prompt, self.width
-    self._slots: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
-    self._next = [0] * max_prompts  # per slot: the entry the next completion overwrites
-    self._keys = np.zeros((max_prompts,), np.uint32)
-    self._plens = np.full((max_prompts,), -1, np.int32)
-    self._tokens = np.zeros((max_prompts, per_prompt, width), np.int32)
-    self._lengths = np.zeros((max_prompts, per_prompt), np.int32)
-    self._table: HistoryTable | None = None
-    self.recorded = 0  # completions recorded over the store's life
-
-  @property
-  def prompts(self) -> int:
-    return len(self._slots)
-
-  @property
-  def nbytes(self) -> int:
-    return self._tokens.nbytes + self._lengths.nbytes + self._keys.nbytes + self._plens.nbytes
-
-  def record(self, prompts, prompt_lengths, completions, lengths) -> None:
-    """Rows of a rollout: prompts int[N, P] (right-padded), prompt_lengths int[N], completions
-    int[N, C], lengths int[N]. Rows keep their order: the last of a prompt's rows is its most
-    recent entry."""
-    prompts, completions = np.asarray(prompts), np.asarray(completions)
-    prompt_lengths, lengths = np.asarray(prompt_lengths), np.asarray(lengths)
-    for p, pl, c, cl in zip(prompts, prompt_lengths, completions, lengths):
-      ids = p[:int(pl)]
-      name = (prompt_key(ids), int(pl))
-      slot = self._slots.pop(name, None)
-      if slot is None:
-        if len(self._slots) < self.max_prompts:
-          slot = len(self._slots)
-        else:  # evict the least recently recorded prompt
-          _, slot = self._slots.popitem(last=False)
-        self._keys[slot], self._plens[slot] = name
-        self._tokens[slot], self._lengths[slot], self._next[slot] = 0, 0, 0
-      self._slots[name] = slot
-      entry = np.concatenate([ids[-self.tail:], c[:int(cl)]])[:self.width]
-      e = self._next[slot]
-      self._tokens[slot, e] = 0
-      self._tokens[slot, e, :len(entry)] = entry
-      self._lengths[slot, e] = len(entry)
-      self._next[slot] = (e + 1) % self.per_prompt
-      self.recorded += 1
-    self._table = None
-
-  def table(self) -> HistoryTable:
-    """The device copy (made once per change)."""
-    if self._table is None:
-      self._table = HistoryTable(keys=jnp.asarray(self._keys),
-                                 prompt_lengths=jnp.asarray(self._plens),
-                                 tokens=jnp.asarray(self._tokens),
-                                 lengths=jnp.asarray(self._lengths), tail=self.tail)
-    return self._table
-
-  def to_json(self) -> dict:
-    """What the store holds, as plain JSON (a checkpoint's): its shape and each prompt's entries,
-    least recently recorded first."""
-    slots = []
-    for (key, plen), slot in self._slots.items():
-      lens = self._lengths[slot]
-      slots.append({"slot": slot, "key": key, "prompt_length": plen, "next": self._next[slot],
-                    "entries": [self._tokens[slot, e, :lens[e]].tolist()
-                                for e in range(self.per_prompt)]})
-    return {"shape": [self.max_prompts, self.per_prompt, self.width], "tail": self.tail,
-            "recorded": self.recorded, "prompts": slots}
-
-  def load_json(self, data: dict | None) -> None:
-    """Restore `to_json`'s output (None: nothing saved; the store stays as it is). A history of
-    another shape, or a malformed one (a field missing or of the wrong type, a slot or entry
-    outside the store), raises `UserError` naming what is wrong; the store is then unchanged."""
-    if data is None:
-      return
-    shape = [self.max_prompts, self.per_prompt, self.width]
-    problem = _malformed_history(data)
-    if problem is None and (list(data["shape"]) != shape or data["tail"] != self.tail):
-      raise UserError(f"HistoryStore: the saved history has shape {data['shape']} and tail "
-                      f"{data['tail']}, this run's {shape} and {self.tail} (DraftConfig."
-                      f"history_prompts, history_per_prompt, history_tokens, ngram_max)")
-    if problem is None:
-      problem = _history_out_of_bounds(data["prompts"], *shape)
-    if problem is not None:
-      raise UserError(f"HistoryStore: the saved drafting history is malformed ({problem}); "
-                      f"resume from another checkpoint, or start the run afresh")
-    self._clear()
-    for p in data["prompts"]:
-      slot = p["slot"]
-      self._slots[(p["key"], p["prompt_length"])] = slot
-      self._keys[slot], self._plens[slot] = p["key"], p["prompt_length"]
-      self._next[slot] = p["next"]
-      for e, entry in enumerate(p["entries"]):
-        self._tokens[slot, e, :len(entry)] = entry
-        self._lengths[slot, e] = len(entry)
-    self.recorded = data["recorded"]
-
-
-def _is_int(x) -> bool:
-  return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _malformed_history(data) -> str | None:
-  """What makes `data` other than `HistoryStore.to_json`'s layout, or None."""
-  if not isinstance(data, dict):
-    return f"a {type(data).__name__}, not an object"
-  fields = {"shape": (list, "a list"), "tail": (int, "an int"), "recorded": (int, "an int"),
-            "prompts": (list, "a list")}
-  for name, (kind, said) in fields.items():
-    if name not in data:
-      return f"no '{name}'"
-    if not isinstance(data[name], kind) or isinstance(data[name], bool):
-      return f"'{name}' is {data[name]!r:.40}, not {said}"
-  if len(data["shape"]) != 3 or not all(_is_int(n) for n in data["shape"]):
-    return f"'shape' is {data['shape']!r:.40}, not three ints"
-  for i, p in enumerate(data["prompts"]):
-    if not isinstance(p, dict):
-      return f"prompts[{i}] is {p!r:.40}, not an object"
-    for name in ("slot", "key", "prompt_length", "next", "entries"):
-      if name not in p:
-        return f"prompts[{i}] has no '{name}'"
-      listed = name == "entries"
-      if not (isinstance(p[name], list) if listed else _is_int(p[name])):
-        return f"prompts[{i}].{name} is {p[name]!r:.40}, not {'a list' if listed else 'an int'}"
-    for e, entry in enumerate(p["entries"]):
-      if not isinstance(entry, list) or not all(_is_int(t) for t in entry):
-        return f"prompts[{i}].entries[{e}] is not a list of token ids"
-  return None
-
-
-def _history_out_of_bounds(prompts: list, max_prompts: int, per_prompt: int,
-                           width: int) -> str | None:
-  """What of a well-formed history does not fit a store of this shape, or None."""
-  seen = set()
-  for i, p in enumerate(prompts):
-    if not 0 <= p["slot"] < max_prompts or p["slot"] in seen:
-      return f"prompts[{i}].slot {p['slot']} is out of [0, {max_prompts}) or repeated"
-    seen.add(p["slot"])
-    if not 0 <= p["key"] < 2**32 or not 0 <= p["prompt_length"] < 2**31:
-      return f"prompts[{i}] has key {p['key']} and prompt_length {p['prompt_length']}"
-    if not 0 <= p["next"] < per_prompt or len(p["entries"]) > per_prompt:
-      return (f"prompts[{i}] has next {p['next']} and {len(p['entries'])} entries, for "
-              f"{per_prompt} per prompt")
-    for e, entry in enumerate(p["entries"]):
-      if len(entry) > width or not all(0 <= t < 2**31 for t in entry):
-        return f"prompts[{i}].entries[{e}] has {len(entry)} tokens (at most {width}) or a bad id"
-  return None
 
 
 def history_lookup(seq: Sequences, hist: jax.Array, hist_len: jax.Array, draft_len: int, n: int,

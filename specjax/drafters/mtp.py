@@ -17,6 +17,7 @@ from specjax.drafters.eagle3 import ChainDrafter
 from specjax.models import chunked
 from specjax.models.config import ModelConfig
 from specjax.models.decoder import Decoder
+from specjax.models.losses import masked_cross_entropy
 from specjax.drafters.methods import (DraftInit, DraftLossInputs, DraftMethodBase, OfflineDraft,
                                       register_method)
 
@@ -63,16 +64,6 @@ def mtp_drafter(model: Decoder, *, draft_len: int,
   graphdef, state = nnx.split(model)
   return MtpDrafter(draft_len=draft_len, vocab_size=model.cfg.vocab_size, temperature=temperature,
                     graphdef=graphdef, model_cfg=model.cfg), state
-
-
-def masked_cross_entropy(logits, labels, mask) -> tuple[jax.Array, jax.Array]:
-  """(mean cross-entropy, mean top-1 accuracy) of `logits` [B, T, V] on `labels` over `mask`."""
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  nll = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-  mask = mask.astype(jnp.float32)
-  count = jnp.maximum(mask.sum(), 1.0)
-  acc = (jnp.argmax(logp, -1) == labels).astype(jnp.float32)
-  return jnp.sum(nll * mask) / count, jnp.sum(acc * mask) / count
 
 
 def mtp_loss(model: Decoder, hidden: jax.Array, tokens: jax.Array, loss_mask: jax.Array, *,

@@ -16,8 +16,9 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from specjax.config_tree import check
-from specjax.drafters.mtp import masked_cross_entropy, mtp_loss
+from specjax.drafters.mtp import mtp_loss
 from specjax.models.decoder import Decoder
+from specjax.models.losses import masked_cross_entropy
 from specjax.optim import check_trainer_fields, trainer_transform
 
 

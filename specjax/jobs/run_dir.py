@@ -172,14 +172,14 @@ def check_policy(cfg: Any, policy_cfg: Any, tokenizer: Any, source: str) -> None
 
 def check_kv_budget(cfg: Any, model_cfg: Any, task: Any) -> None:
   """RolloutConfig.kv_cache_gb against the least a row can need, before anything is built: the
-  engine would refuse such a pool at the first rollout, minutes later (`paging.pool_size`, the
+  engine would refuse such a pool at the first rollout, minutes later (`paged_state.pool_size`, the
   same check). The bound is a prompt of the fixed width (max_prompt_len; else one token) +
   max_new_tokens, on pages of the policy's KV alone, split over as many devices as its kv heads
   could be: a pool refused here is refused there too."""
   r = cfg.rl.rollout
   if r.kv_cache_gb <= 0:  # dense caches, or kv_cache_fraction: known at the first rollout
     return
-  from specjax.sampling.paging import bytes_per_page, pool_size
+  from specjax.sampling.engine.paged_state import bytes_per_page, pool_size
 
   split = 1
   if cfg.rl.use_mesh or cfg.async_rl.enabled:

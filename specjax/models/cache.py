@@ -26,7 +26,7 @@ from flax import struct
 
 
 # Cache positions a cached forward's attention reads at a time (`layers.attend_cache`,
-# `paged.paged_attention_chunked`), and the smallest key buffer (bytes per layer, as read) it
+# `paged_attention.paged_attention_chunked`), and the smallest key buffer (bytes per layer, as read) it
 # reads in chunks. Reading only the live part of the caches made a 16-slot GRPO queue 1.13x
 # (AR) and 1.21x (speculative) faster on the 2-core CPU (docs/BENCHMARKS.md, "Attention over
 # the live part of the cache"); smaller chunks cost more loop steps, and for small buffers (one

@@ -19,7 +19,7 @@ from specjax.models.config import DTYPES
 from specjax.rl.config import RLConfig, RolloutConfig
 from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning, Rollout,
                               SamplingConfig, generate, speculative_generate)
-from specjax.sampling.paging import kv_cache_gb_for
+from specjax.sampling.engine.paged_state import kv_cache_gb_for
 from specjax.drafters import GroupNgramDrafter, HistoryDrafter, HistoryParams, HistoryStore
 
 

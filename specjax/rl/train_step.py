@@ -250,7 +250,7 @@ class Trainer:
   @property
   def pack_rows(self) -> int:
     """Rows per packed micro-batch: a multiple of the mesh's data-parallel size."""
-    from specjax.sampling.engine import data_parallel_size
+    from specjax.sampling.buckets import data_parallel_size
     dp = data_parallel_size(self.mesh)
     return -(-self.step_cfg.pack_rows // dp) * dp
 

@@ -1,5 +1,5 @@
 """The autoregressive sampler: ragged prompts, one prefill, then one target step per token, run by
-the rollout engine (`engine.py`: live-batch compaction and a live-prefix attention window by
+the rollout engine (`specjax.sampling.engine`: live-batch compaction and a live-prefix attention window by
 default; `engine=STATIC` is the plain full-batch loop)."""
 
 from __future__ import annotations

@@ -27,14 +27,14 @@ class EngineConfig:
   # and the rows prefilled at once. False: refill_fraction throughout
   refill_from_costs: bool = True
   # the target's KV memory in GiB per device: > 0 pages it (rows take pages of page_size
-  # positions as they grow, `paging.py`) and admits waiting rows while pages are free; on a mesh
+  # positions as they grow, `engine/slot_pages.py`) and admits waiting rows while pages are free; on a mesh
   # each data-parallel replica holds its own pages; 0: a dense cache of the longest possible row
   # per slot
   kv_cache_gb: float = 0.0
   page_size: int = 16
   page_ahead: int = 32  # positions of pages a row takes beyond its next step when it grows
   # paged KV on a GPU: the attention kernel's pages of K and V per loop step and warps per
-  # program (0: `specjax.models.paged.PAGES_PER_BLOCK` and `NUM_WARPS`); ignored elsewhere
+  # program (0: `specjax.models.paged_attention.PAGES_PER_BLOCK` and `NUM_WARPS`); ignored elsewhere
   kernel_pages: int = 0
   kernel_warps: int = 0
   compaction: bool = True  # gather live rows into the next bucket when they fit

@@ -3,8 +3,8 @@ the AR step (K = 0) and the speculative step (K >= 1), and a *segment*: a `lax.w
 steps a static bucket of rows with a static draft length over a static attention window until
 too few rows are live, a row needs a wider window, or an iteration budget is spent.
 
-`engine.py` chains segments on the host: compaction, windows and the choice of K happen between
-them. Every array of `EngineState` has the bucket's rows on its leading axis.
+The engine (`specjax.sampling.engine`) chains segments on the host: compaction, windows and the
+choice of K happen between them. Every array of `EngineState` has the bucket's rows on its leading axis.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def init_state(graphdef, params, drafter: Drafter | None, drafter_params, prompt
   hidden states and last logits; each row still samples its own first token.
 
   `target_cache_size` (0: `cache_size`) sizes the target's dense prefill cache: a paged engine
-  prefills into a prompt-wide buffer and copies it into its pages (`paging.to_paged`), and so
+  prefills into a prompt-wide buffer and copies it into its pages (`engine.paged_state.to_paged`), and so
   for a drafter whose cache it pages."""
   target = nnx.merge(graphdef, params)
   batch, width = prompts.shape
@@ -283,10 +283,11 @@ def tree_forward(target, drafter: Drafter, drafter_params, cfg: SamplingConfig, 
 
 @dataclasses.dataclass(frozen=True)
 class SegmentSpec:
-  """The static part of a segment program (one compiled program per distinct spec)."""
+  """The static part of a segment program (one compiled program per distinct spec, and per
+  drafter: K is the drafter's `draft_len`, the one place it is set)."""
 
   cfg: SamplingConfig
-  draft_len: int  # K; 0 = AR
+  drafts: bool  # speculative steps at the drafter's K; False: AR steps (K = 0)
   window: int  # cache positions attention reads; 0 = the whole cache
 
 
@@ -317,10 +318,9 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
   which returns `state` as it was (`committed`) in its own buffers: the engine times steps so
   without a copy of its state."""
   target = nnx.merge(graphdef, params)
-  k, window = spec.draft_len, spec.window
-  if k > 0 and drafter.draft_len != k:
-    raise ValueError(f"run_segment: drafter.draft_len={drafter.draft_len} differs from the "
-                     f"segment's K={k}")
+  if spec.drafts and drafter is None:
+    raise ValueError("run_segment: a drafting segment (spec.drafts) needs a drafter")
+  k, window = drafter.draft_len if spec.drafts else 0, spec.window
   step = ar_step if k == 0 else speculative_step
 
   def cond(carry):

@@ -1,6 +1,6 @@
 """Speculative sampling: a drafter proposes K tokens, the target scores K+1 positions in one
 forward, `rejection.verify` decides, every row commits at its own offset. The steps run in the
-rollout engine (`engine.py`): by default live rows are compacted into smaller buckets as rows
+rollout engine (`specjax.sampling.engine`): by default live rows are compacted into smaller buckets as rows
 finish, attention reads only the live prefix, and K is chosen per bucket (0..max) from measured
 step costs and running acceptance rates; `engine=STATIC` is the plain loop with a fixed K.
 
