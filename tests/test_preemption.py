@@ -25,10 +25,13 @@ from specjax.rl.async_rl.loop import run_rl_async
 from specjax.rl.checkpoint import Checkpointer, CheckpointWriteError
 from specjax.rl.config import CheckpointConfig, DraftConfig, RLConfig, RolloutConfig
 from specjax.rl.grpo import GRPOConfig
-from specjax.rl.loop import TUNING_FILE, run_rl
+from specjax.rl.loop import run_rl
+from specjax.rl.run_lifecycle import TUNING_FILE
 from specjax.rl.metrics_log import read_metrics
 from specjax.rl.preemption import PREEMPTED_EXIT_CODE, Preempted, StepBoundary
-from specjax.sampling.calibration import CostCache, CostTable, EngineTuning
+from specjax.sampling.calibration import EngineTuning
+from specjax.sampling.cost_cache import CostCache
+from specjax.sampling.cost_table import CostTable
 
 ROOT = Path(__file__).resolve().parents[1]
 TOK = CharTokenizer()

@@ -20,11 +20,13 @@ from test_preemption import CFG, MODEL, TOK
 
 from specjax.models import Decoder
 from specjax.rl.config import RolloutConfig
-from specjax.rl.loop import COSTS_FILE, run_rl
+from specjax.rl.loop import run_rl
+from specjax.rl.run_lifecycle import COSTS_FILE
 from specjax.rl.metrics_log import read_metrics
 from specjax.rl.preemption import Preempted
 from specjax.sampling.adaptive import best_draft_len
-from specjax.sampling.calibration import CostTable, EngineTuning
+from specjax.sampling.calibration import EngineTuning
+from specjax.sampling.cost_table import CostTable
 from specjax.sampling.cost_cache import (CostCache, RunCosts, cost_key, cost_problem,
                                          implausible_keys, plausible_range)
 

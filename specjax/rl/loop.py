@@ -8,10 +8,9 @@ held-out prompt set is scored every `cfg.validation.every` steps.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 import os
 import time
-import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -19,29 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from specjax.rl.batch import SEGMENT_LOG, build_train_batch, rollout_metrics
-from specjax.rl.checkpoint import (CheckpointExists, Checkpointer, CheckpointWriteError,
-                                   run_identity)
+from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.metrics_log import (METRICS_FILE, MetricsLogger, RunWriteError, truncate_metrics,
-                                    write_cause)
-from specjax.rl.preemption import Preempted, StepBoundary, StopSignals
+from specjax.rl.preemption import StopSignals
 from specjax.rl.rollout import (RolloutSampler, acceptance_summary, build_drafter,
                                 decode_completions, make_history, make_tuning, pad_prompts,
                                 resize_columns, sequence_arrays, train_widths)
-from specjax.rl.safety import (NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names,
-                               state_donated)
+from specjax.rl.run_lifecycle import Hook, RunLifecycle, stop_on_signals
+from specjax.rl.safety import NONFINITE_KEY, nonfinite_names
 from specjax.rl.tasks import Task, compute_rewards, make_task
-from specjax.rl.timing import PhaseTimer, format_summary
+from specjax.rl.timing import PhaseTimer
 from specjax.rl.train_step import Trainer, TrainState
-
-_log = logging.getLogger(__name__)  # (`logger` names the run's MetricsLogger below)
-
-Hook = Callable[[int, dict], None]  # (step, metrics) after every step (metrics incl. validation)
-MAX_ERRORS_LOGGED = 5  # reward-function errors written to the JSONL per step
-TUNING_FILE = "engine_tuning.json"  # the engine's costs and acceptance estimates, in the run dir
-COSTS_FILE = "engine_costs.json"  # every step cost the run read or measured, in the run dir
 
 
 @dataclasses.dataclass
@@ -210,176 +198,11 @@ def validate(run: RLRun, state: TrainState, key: jax.Array) -> dict[str, float]:
   return out
 
 
-def finish_step(run: RLRun, state: TrainState, completed: int, metrics: dict, errors: list[str],
-                logger: MetricsLogger, base_key: jax.Array, hooks: Sequence[Hook] = (),
-                validation_hooks: Sequence[Hook] = ()) -> dict[str, float]:
-  """After a step (sync or async): report reward-function errors, validate when due, log the
-  metrics, call the hooks. Returns this step's validation metrics ({} when none ran)."""
-  for msg in errors[:MAX_ERRORS_LOGGED]:
-    logger.log_event(completed, "reward_error", message=msg)
-  for segment in metrics.pop(SEGMENT_LOG, ()):  # each choice of the rollout engine
-    logger.log_event(completed, "engine_segment", **segment)
-  cut = int(metrics.get("data/prompts_cut", 0))
-  if cut:  # kept: the last max_prompt_len tokens; said out loud, not only as a metric
-    logger.log_event(completed, "prompts_cut", count=cut, max_prompt_len=run.prompt_width)
-    warnings.warn(f"step {completed}: {cut} prompt(s) longer than RolloutConfig.max_prompt_len="
-                  f"{run.prompt_width} were cut to their last {run.prompt_width} tokens; raise "
-                  f"--rl.rollout.max-prompt-len to keep them whole")
-  if errors:
-    warnings.warn(f"step {completed}: {len(errors)} reward function error(s), scored 0; "
-                  f"first: {errors[0]}")
-  val = {}
-  v = run.cfg.validation
-  if v.every and (completed % v.every == 0 or completed == run.cfg.steps):
-    val = validate(run, state, jax.random.fold_in(base_key, 1_000_000 + completed))
-    metrics.update(val)
-    for hook in validation_hooks:
-      hook(completed, val)
-  logger.log(completed, metrics)
-  for hook in hooks:
-    hook(completed, metrics)
-  return val
 
 
-def open_run(cfg: RLConfig, out_dir: str, state: TrainState, identity_extra: dict | None = None,
-             tuning=None, history=None):
-  """Checkpointer and metrics logger of a run, and where it starts: the state, step, data
-  position and RNG key of the newest good checkpoint of this run (same `run_identity`) when
-  cfg.checkpoint.resume, else step 0 (a checkpoint dir with checkpoints is then an error). The
-  checkpoint's engine tuning (costs, acceptance estimates) goes into `tuning` (an EngineTuning),
-  and the run's costs are fixed in <log dir>/engine_costs.json (`CostTable.keep_in`: on resume
-  read back from there, not from the machine's cost cache), so the resumed run picks the K the
-  uninterrupted one would have; its drafting history into
-  `history` (a HistoryStore), so the resumed run drafts what the uninterrupted one would have.
-  metrics.jsonl is cut back to the start step, so every step is logged once. Returns (ckpt,
-  logger, state, start, data_position, base_key, pending): `pending` is the restored step whose
-  metrics were not written before the interruption (None mostly); the loop writes it first."""
-  base_key = jax.random.PRNGKey(cfg.seed)
-  identity = run_identity(cfg, **(identity_extra or {}))
-  ckpt = Checkpointer(cfg.checkpoint.dir or os.path.join(out_dir, "checkpoints"),
-                      keep=cfg.checkpoint.keep, identity=identity)
-  start, data_position, pending = 0, 0, None
-  if cfg.checkpoint.resume:
-    restored = ckpt.restore(state)
-    if restored is not None:
-      state, meta = restored
-      start, data_position = int(meta["step"]), int(meta["data_position"])
-      base_key = jnp.asarray(meta["rng"], jnp.uint32)
-      pending = PendingStep.from_json(meta["extra"].get("pending"))
-      if tuning is not None:
-        tuning.load_json(meta["extra"].get("engine_tuning"),
-                         f"checkpoint {start} in {ckpt.directory}")
-      if history is not None:
-        history.load_json(meta["extra"].get("history"))
-  elif ckpt.steps():
-    steps = ckpt.steps()
-    ckpt.close()
-    raise CheckpointExists(f"{ckpt.directory} holds checkpoints {steps} of an earlier run; set "
-                           f"CheckpointConfig.resume to continue it, or give this run its own "
-                           f"checkpoint directory")
-  log_dir = cfg.log_dir or out_dir
-  if tuning is not None:  # the run's costs: fixed from now on, read back on resume
-    tuning.costs.keep_in(os.path.join(log_dir, COSTS_FILE), resume=cfg.checkpoint.resume)
-  if jax.process_index() == 0:
-    keep_to = start - 1 if pending is not None else start
-    removed = truncate_metrics(os.path.join(log_dir, METRICS_FILE), keep_to)
-    if removed:
-      warnings.warn(f"{os.path.join(log_dir, METRICS_FILE)}: removed {removed} line(s) after "
-                    f"step {keep_to}, where this run {'resumes' if start else 'starts'}")
-  logger = MetricsLogger(log_dir, total_steps=cfg.steps, initial_step=start,
-                         tensorboard=cfg.tensorboard, progress=cfg.progress,
-                         enabled=jax.process_index() == 0)
-  return ckpt, logger, state, start, data_position, base_key, pending
 
 
-def save_tuning(run_dir: str, data: dict) -> None:
-  """<run_dir>/engine_tuning.json, atomically (process 0)."""
-  from specjax.sampling.cost_cache import write_json_atomic
 
-  if jax.process_index() != 0:
-    return
-  path = os.path.join(run_dir, TUNING_FILE)
-  try:
-    write_json_atomic(path, data)
-  except OSError as e:
-    raise RunWriteError("the engine tuning", path, write_cause(e)) from e
-
-
-def checkpoint_saver(ckpt: Checkpointer, start: int, tuning: Callable[[], dict] | None = None,
-                     run_dir: str = "", history: Callable[[], dict] | None = None):
-  """`save(completed, state, rng, data_position, last, pending)` for the loops: each step is
-  saved once (an exit save right after a periodic one is not repeated); a step whose metrics are
-  pending is saved with them; a state donated to an interrupted update is not saved (warning).
-  `tuning()`: the engine tuning (JSON) that goes with the saved step, stored in the checkpoint
-  and as <run_dir>/engine_tuning.json; `history()`: the drafting history (JSON), stored in the
-  checkpoint."""
-  saved = {"step": start}
-
-  def save(completed: int, state, rng, data_position: int, last: dict,
-           pending: PendingStep | None) -> None:
-    step, extra = completed, {"reward/mean": last.get("reward/mean")}
-    if pending is not None:
-      step, data_position = pending.step, pending.data_position
-      extra = {"reward/mean": pending.metrics.get("reward/mean"), "pending": pending.to_json()}
-    if step == saved["step"]:
-      return
-    if state_donated(state):
-      warnings.warn(f"no checkpoint of step {step}: its state was donated to an update that was "
-                    f"interrupted; the run resumes from checkpoint {ckpt.latest_step()}")
-      return
-    engine_tuning = tuning() if tuning is not None else None
-    if engine_tuning is not None:
-      extra["engine_tuning"] = engine_tuning
-    if history is not None:
-      extra["history"] = history()
-    ckpt.save(step, state, rng=rng, data_position=data_position, extra=extra)
-    saved["step"] = step
-    if engine_tuning is not None and run_dir:
-      save_tuning(run_dir, engine_tuning)
-
-  return save
-
-
-def write_pending(run: RLRun, state: TrainState, pending: PendingStep, logger: MetricsLogger,
-                  base_key: jax.Array, hooks: Sequence[Hook], validation_hooks: Sequence[Hook],
-                  guard: NonFiniteGuard) -> dict:
-  """Finish a restored step whose metrics were not written: validate (same params and key as
-  before the interruption), log, guard, hooks. Returns its metrics."""
-  metrics = dict(pending.metrics)
-  finish_step(run, state, pending.step, metrics, pending.errors, logger, base_key, (),
-              validation_hooks)
-  guard.update(pending.step, metrics.get(NONFINITE_KEY, []), logger)
-  for hook in hooks:
-    hook(pending.step, metrics)
-  return metrics
-
-
-def close_run(cfg: RLConfig, ckpt: Checkpointer, logger: MetricsLogger, save: Callable[[], None],
-              progressed: bool, *, failed: bool, error: BaseException | None = None) -> None:
-  """Save on exit (if the run made progress) and close the logger and checkpointer. On a failure
-  a failing save only warns, so the original error is the one that surfaces; after a failed
-  write (`RunWriteError`: disk full, ...) no exit save is tried, and the error is completed with
-  the last good checkpoint."""
-  try:
-    if isinstance(error, RunWriteError):
-      if not isinstance(error, CheckpointWriteError):
-        error.with_last_good(ckpt.latest_step(), ckpt.directory)
-    elif cfg.checkpoint.save_on_exit and progressed:
-      try:
-        save()
-      except Exception as e:  # noqa: BLE001
-        if not failed:
-          raise
-        warnings.warn(f"saving a checkpoint on exit failed: {e!r}")
-  finally:
-    logger.close()
-    ckpt.close()
-
-
-def stop_on_signals(cfg: RLConfig) -> StopSignals | None:
-  """The process's stop-signal handlers (`CheckpointConfig.stop_signals`) for a run's duration;
-  `release()` when it ends."""
-  return StopSignals.acquire(cfg.checkpoint.stop_signals)
 
 
 def run_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
@@ -432,55 +255,24 @@ def _iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None, *, out_dir:
                 draft_maps, hooks: Sequence[Hook], validation_hooks: Sequence[Hook],
                 stop_after: int | None, verbose: bool, signals: StopSignals | None):
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
-  history = run.sampler.history
-  ckpt, logger, state, start, data_position, base_key, pending = open_run(
-      cfg, out_dir, state, tuning=run.sampler.tuning, history=history)
-  timer, guard = PhaseTimer(), NonFiniteGuard(cfg.max_bad_steps)
-  completed, last, last_val, stopped_by = start, {}, {}, None
-  saver = checkpoint_saver(ckpt, start, run.sampler.tuning.to_json, cfg.log_dir or out_dir,
-                           history=None if history is None else history.to_json)
-  boundary = StepBoundary(cfg.checkpoint.every, cfg.checkpoint.every_minutes, signals)
-
-  def save() -> None:
-    saver(completed, state, base_key, data_position, last, pending)
-
+  life = RunLifecycle(cfg, out_dir, state, prompt_width=run.prompt_width,
+                      validate=functools.partial(validate, run), signals=signals,
+                      tuning=run.sampler.tuning, history=run.sampler.history)
+  timer = PhaseTimer()
   try:
-    if pending is not None:  # restored with its metrics unwritten: write them first
-      last, pending = write_pending(run, state, pending, logger, base_key, hooks,
-                                    validation_hooks, guard), None
-    end = cfg.steps if stop_after is None else min(cfg.steps, start + stop_after)
-    for step in range(start, end):
-      state, metrics, errors = rl_step(run, state, step, jax.random.fold_in(base_key, step),
-                                       data_position, timer)
+    life.write_pending(hooks, validation_hooks)
+    end = cfg.steps if stop_after is None else min(cfg.steps, life.start + stop_after)
+    for step in range(life.start, end):
+      state, metrics, errors = rl_step(run, life.state, step,
+                                       jax.random.fold_in(life.base_key, step),
+                                       life.data_position, timer)
       metrics.update(timer.end_step())
       metrics["perf/gen_tokens_per_s"] = metrics["gen/tokens"] / max(metrics["time/gen"], 1e-9)
       metrics["perf/wall_clock"] = time.time()  # when the step ended (runs may take turns)
-      # the step counts as done once its metrics are written (validation may be interrupted)
-      pending = PendingStep(step + 1, data_position + cfg.prompts_per_step, dict(metrics), errors)
-      last_val = finish_step(run, state, pending.step, metrics, errors, logger, base_key, (),
-                             validation_hooks) or last_val
-      completed, data_position, pending, last = pending.step, pending.data_position, None, metrics
-      guard.update(completed, metrics.get(NONFINITE_KEY, []), logger)
-      for hook in hooks:
-        hook(completed, metrics)
-      save_now, stop = boundary.poll(completed)
-      if save_now:
-        save()
-        boundary.saved()
-      if stop:
-        stopped_by = boundary.signal_name or "a stop signal of another process"
-        logger.log_event(completed, "preempted", signal=stopped_by, checkpoint=completed)
+      if life.end_step(state, metrics, errors, hooks, validation_hooks):
         break
-      yield completed, metrics
+      yield life.completed, metrics
   except BaseException as e:
-    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True,
-              error=e)
+    life.fail(e)
     raise
-  close_run(cfg, ckpt, logger, save, completed > start, failed=False)
-  if stopped_by is not None:
-    raise Preempted(stopped_by, completed, ckpt.directory)
-  phases = timer.summary()
-  if verbose:
-    _log.info("%s", format_summary(phases))
-  return {"steps": completed, "start_step": start, "final": last, "validation": last_val,
-          "phases": phases, "out_dir": out_dir, "metrics_path": logger.path, "state": state}
+  return life.finish(timer, verbose)

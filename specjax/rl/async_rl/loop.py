@@ -4,7 +4,7 @@ trains on the training mesh and pushes new weights after every step, within a bo
 from __future__ import annotations
 
 import dataclasses
-import logging
+import functools
 import os
 import time
 from typing import Any, Sequence
@@ -19,18 +19,15 @@ from specjax.rl.async_rl.worker import RolloutBatch, RolloutWorker
 from specjax.rl.batch import build_train_batch, rollout_metrics
 from specjax.rl.config import RLConfig
 from specjax.rl.grpo import group_advantages
-from specjax.rl.loop import (Hook, RLRun, checkpoint_saver, close_run, finish_step, open_run,
-                             prompt_width, setup_run, stop_on_signals, warm_widths, write_pending)
-from specjax.rl.preemption import Preempted, StepBoundary
+from specjax.rl.loop import RLRun, prompt_width, setup_run, validate, warm_widths
 from specjax.rl.rollout import (RolloutSampler, decode_completions, pad_prompts, resize_columns,
                                 sequence_arrays)
-from specjax.rl.safety import NONFINITE_KEY, NonFiniteGuard, PendingStep, nonfinite_names
+from specjax.rl.run_lifecycle import Hook, RunLifecycle, stop_on_signals
+from specjax.rl.safety import NONFINITE_KEY, nonfinite_names
 from specjax.rl.tasks import RewardBatch, Task, compute_rewards
-from specjax.rl.timing import PhaseTimer, format_summary
+from specjax.rl.timing import PhaseTimer
 from specjax.rl.train_step import TrainBatch, Trainer, TrainState
 from specjax.sharding import shard_batch, split_mesh, state_shardings, transfer
-
-_log = logging.getLogger(__name__)  # (`logger` names the run's MetricsLogger below)
 
 WORKER_PHASES = ("data", "gen", "reward")  # timed inside the worker, off the trainer's path
 
@@ -255,71 +252,46 @@ def _run_rl_async(cfg: RLConfig, async_cfg: AsyncConfig, policy, tokenizer, task
                                              draft_maps=draft_maps, devices=devices)
   identity = {"async": {k: getattr(async_cfg, k) for k in ("policy_lag", "is_correction",
                                                           "is_clip")}}
-  ckpt, logger, state, start, data_position, base_key, pending = open_run(
-      cfg, out_dir, state, identity, tuning=sampler.tuning)
   # the tuning that goes with the last finished step: after the last batch trained on (the
   # worker may have generated further batches since)
-  consumed = {"tuning": sampler.tuning.to_json()}
-  timer, worker_times = PhaseTimer(), {k: [] for k in WORKER_PHASES}
-  guard = NonFiniteGuard(cfg.max_bad_steps)
-  saver = checkpoint_saver(ckpt, start, lambda: consumed["tuning"], cfg.log_dir or out_dir)
-  boundary = StepBoundary(cfg.checkpoint.every, cfg.checkpoint.every_minutes, signals)
-  completed, last, last_val, gaps, stopped_by = start, {}, {}, [], None
+  consumed: dict = {}
+  life = RunLifecycle(cfg, out_dir, state, prompt_width=run.prompt_width,
+                      validate=functools.partial(validate, run), signals=signals,
+                      identity_extra=identity, tuning=sampler.tuning,
+                      tuning_json=lambda: consumed["tuning"])
+  consumed["tuning"] = sampler.tuning.to_json()  # (as restored on resume)
+  timer, worker_times, gaps = PhaseTimer(), {k: [] for k in WORKER_PHASES}, []
   push = WeightPush(run.trainer, sampler, gen_mesh)
-  produce = make_producer(run, sampler, gen_mesh, base_key, start, data_position)
-  worker = RolloutWorker(produce, first_index=start, num_batches=cfg.steps - start,
+  produce = make_producer(run, sampler, gen_mesh, life.base_key, life.start, life.data_position)
+  worker = RolloutWorker(produce, first_index=life.start, num_batches=cfg.steps - life.start,
                          policy_lag=async_cfg.policy_lag, queue_size=async_cfg.queue_size)
 
-  def save() -> None:
-    saver(completed, state, base_key, data_position, last, pending)
+  def stop_worker() -> dict:  # on a stop signal, before the save: no batch is generated then
+    worker.close(async_cfg.shutdown_timeout_s)
+    return {"discarded_batches": worker.discarded}
 
   try:
-    if pending is not None:  # restored with its metrics unwritten: write them first
-      last, pending = write_pending(run, state, pending, logger, base_key, hooks,
-                                    validation_hooks, guard), None
-    initial_push = _timed(lambda: push(state))
-    worker.start(start, initial_push[0])
-    for step in range(start, cfg.steps):
-      state, metrics, errors = async_step(run, async_cfg, state, step, worker, push, timer,
+    life.write_pending(hooks, validation_hooks)
+    initial_push = _timed(lambda: push(life.state))
+    worker.start(life.start, initial_push[0])
+    for step in range(life.start, cfg.steps):
+      state, metrics, errors = async_step(run, async_cfg, life.state, step, worker, push, timer,
                                           consumed)
       for k in WORKER_PHASES:
         worker_times[k].append(metrics[f"time/{k}"])
       gaps.append(metrics["async/version_gap"])
-      # the step counts as done once its metrics are written (validation may be interrupted)
-      pending = PendingStep(step + 1, data_position + cfg.prompts_per_step, dict(metrics), errors)
-      last_val = finish_step(run, state, pending.step, metrics, errors, logger, base_key, (),
-                             validation_hooks) or last_val
-      completed, data_position, pending, last = pending.step, pending.data_position, None, metrics
-      guard.update(completed, metrics.get(NONFINITE_KEY, []), logger)
-      for hook in hooks:
-        hook(completed, metrics)
-      save_now, stop = boundary.poll(completed)
-      if stop:  # the worker first: no batch is generated while the trainer saves
-        worker.close(async_cfg.shutdown_timeout_s)
-      if save_now:
-        save()
-        boundary.saved()
-      if stop:
-        stopped_by = boundary.signal_name or "a stop signal of another process"
-        logger.log_event(completed, "preempted", signal=stopped_by, checkpoint=completed,
-                         discarded_batches=worker.discarded)
+      if life.end_step(state, metrics, errors, hooks, validation_hooks, before_stop=stop_worker):
         break
   except BaseException as e:
     worker.close(async_cfg.shutdown_timeout_s)
-    close_run(cfg, ckpt, logger, save, completed > start or pending is not None, failed=True,
-              error=e)
+    life.fail(e)
     raise
   worker.close(async_cfg.shutdown_timeout_s)
-  close_run(cfg, ckpt, logger, save, completed > start, failed=False)
-  if stopped_by is not None:
-    raise Preempted(stopped_by, completed, ckpt.directory)
-  phases = timer.summary()
-  if verbose:
-    _log.info("%s", format_summary(phases))
+  summary = life.finish(timer, verbose)
+  phases, start, completed = summary["phases"], life.start, life.completed
   steps = max(completed - start, 1)
   mean = lambda k: phases["phases"].get(k, {}).get("total_s", 0.0) / steps
-  return {"steps": completed, "start_step": start, "final": last, "validation": last_val,
-          "phases": phases, "out_dir": out_dir, "metrics_path": logger.path, "state": state,
+  return {**summary,
           "exposed_generation": mean("exposed_generation"), "weight_sync": mean("weight_sync"),
           "initial_weight_sync": initial_push[1],
           "effective_step_s": phases["mean_step_s_after_first"],
