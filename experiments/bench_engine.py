@@ -61,6 +61,7 @@ from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
+from specjax.sampling.engine_config import AdaptiveConfig, CompileConfig, QueueConfig  # noqa: E402
 from specjax.sampling import engine as eng  # noqa: E402
 
 
@@ -307,15 +308,16 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig,
   `EngineTuning`, so no arm reuses another's measured costs or acceptance estimates."""
   key = lambda i: jax.random.key(a.seed * 1000 + i)
   tunings = []
-  share = dict(share_prefill=not a.no_share_prefill)
+  queue = QueueConfig(share_prefill=not a.no_share_prefill)
   # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
   # timed run compiles a bucket the untimed one did not reach
-  ahead = dict(share, compile_ahead=True)
-  static = dataclasses.replace(STATIC, **share)
+  ahead = dict(queue=queue, compile=CompileConfig(ahead=True))
+  static = dataclasses.replace(STATIC, queue=queue)
   arms = {
       "ar_static": lambda i: generate(target, prompts, lens, key(i), cfg, engine=static),
       "ar_compact": lambda i: generate(target, prompts, lens, key(i), cfg,
-                                       engine=EngineConfig(adaptive=False, **ahead)),
+                                       engine=EngineConfig(adaptive=AdaptiveConfig(enabled=False),
+                                                           **ahead)),
   }
   for name, (drafter, params) in drafters.items():
     prefix = "spec" if name == a.drafters[0] else name
@@ -324,7 +326,8 @@ def run_arms(a, target, drafters: dict, prompts, lens, cfg: SamplingConfig,
         target, d, p, prompts, lens, key(i), cfg, draft_len=a.static_k, engine=static)
     arms[f"{prefix}_adaptive"] = lambda i, d=drafter, p=params, t=tunings[-1]: \
         speculative_generate(target, d, p, prompts, lens, key(i), cfg, draft_len=a.max_draft_len,
-                             engine=EngineConfig(max_draft_len=a.max_draft_len, **ahead),
+                             engine=EngineConfig(
+                                 adaptive=AdaptiveConfig(max_draft_len=a.max_draft_len), **ahead),
                              tuning=t)
   t0 = time.perf_counter()
   out = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
@@ -450,7 +453,8 @@ def no_accept(a, log) -> dict:
                                                       engine=STATIC),
         "spec_adaptive": lambda i, t=EngineTuning(): speculative_generate(
             target, drafter, (), toks, lens, key(i), cfg, draft_len=a.max_draft_len,
-            engine=EngineConfig(max_draft_len=a.max_draft_len, compile_ahead=True), tuning=t),
+            engine=EngineConfig(adaptive=AdaptiveConfig(max_draft_len=a.max_draft_len),
+                                compile=CompileConfig(ahead=True)), tuning=t),
     }
     rows = {name: arm_record(*run) for name, run in interleaved_runs(arms, a.repeats).items()}
     for name, rec in rows.items():

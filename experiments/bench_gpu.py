@@ -99,6 +99,7 @@ from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.models import cache, paged, paged_attention  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, generate, speculative_generate)
+from specjax.sampling.engine_config import BucketConfig, PagingConfig, QueueConfig  # noqa: E402
 from specjax.sim.measure import time_forward  # noqa: E402
 
 SHAPES = {  # Qwen3 config.json values; random weights
@@ -156,7 +157,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   q.add_argument("--queue-prompt-len", type=int, default=128)
   q.add_argument("--queue-new-tokens", type=int, default=1024)
   q.add_argument("--queue-buckets", type=int, default=3,
-                 help="EngineConfig.max_buckets of every queue arm (compiled ahead)")
+                 help="EngineConfig.buckets.max_buckets of every queue arm (compiled ahead)")
   q.add_argument("--queue-repeats", type=int, default=2)
   q.add_argument("--queue-arms", nargs="+", choices=QUEUE_ARMS, default=list(QUEUE_ARMS),
                  help="arms of the queue stage, in this order")
@@ -435,7 +436,7 @@ def spec_stage(a, results: dict) -> None:
                                                       jax.random.key(i), scfg, engine=STATIC),
         "spec_adaptive": lambda i: speculative_generate(
             model, draft, dparams, prompts, lengths, jax.random.key(i), scfg,
-            engine=EngineConfig(max_buckets=1), tuning=tuning),
+            engine=EngineConfig(buckets=BucketConfig(max_buckets=1)), tuning=tuning),
     }
     for depth in a.tree_depths if a.tree_width > 1 else ():
       # the same drafts verified as a tree: what its wider verify costs
@@ -748,9 +749,10 @@ def paged_stage(a, results: dict) -> None:
   lengths = jnp.asarray(np.random.default_rng(a.seed).integers(8, 25, rows), jnp.int32)
   scfg = SamplingConfig(max_new_tokens=64, temperature=0.0)
   token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4
-  engines = {"dense": EngineConfig(max_rows=slots),
-             "paged": EngineConfig(max_rows=slots, page_size=PAGE_SIZE,
-                                   kv_cache_gb=2 * slots * (24 + 64) * token_bytes / 2**30)}
+  paging = PagingConfig(page_size=PAGE_SIZE,
+                        kv_cache_gb=2 * slots * (24 + 64) * token_bytes / 2**30)
+  engines = {"dense": EngineConfig(queue=QueueConfig(max_rows=slots)),
+             "paged": EngineConfig(queue=QueueConfig(max_rows=slots), paging=paging)}
   outs, rec = {}, {"rows": rows, "slots": slots, "model": shape}
   try:
     with jax.default_matmul_precision("highest"):  # no TF32: the two paths differ in attention only

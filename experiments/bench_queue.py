@@ -22,9 +22,10 @@ untimed, then --repeats interleaved rounds):
                    drafts, almost never accepted); adaptive K must make it cost no more than AR
   dense            AR with the queue at one KV budget (`--kv-budget-rows` dense rows' worth of
                    target KV memory): dense caches, so the budget holds that many slots
-  paged            AR with the queue at the same budget, paged (`EngineConfig.kv_cache_gb`): up
-                   to --paged-slots slots (default 2 x --slots), rows admitted while pages are
-                   free, a GRPO group's samples sharing their prompt pages
+  paged            AR with the queue at the same budget, paged
+                   (`EngineConfig.paging.kv_cache_gb`): up to --paged-slots slots (default
+                   2 x --slots), rows admitted while pages are free, a GRPO group's samples
+                   sharing their prompt pages
 `--whole-cache-reads` makes every step's attention read its caches whole (in this process), for
 a side-by-side with the default, which reads only their live part; `--no-single-pass` keeps the
 chunk loop for steps whose furthest row reaches the last chunk (`cache.SUMS_MAX_QUERIES` = 0),
@@ -60,6 +61,7 @@ from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder, cache  # noqa: E402
 from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning,  # noqa: E402
                               SamplingConfig, generate, speculative_generate)
+from specjax.sampling.engine_config import CompileConfig, PagingConfig, QueueConfig  # noqa: E402
 
 ARMS = ("waves", "continuous", "waves_spec", "continuous_spec", "continuous_noaccept", "dense",
         "paged")
@@ -81,17 +83,17 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--prompts", type=int, default=None, help="64 (--quick: 32)")
   p.add_argument("--group", type=int, default=4)
   p.add_argument("--slots", type=int, default=None, help="32 (--quick: 16)")
-  p.add_argument("--refill-fraction", type=float, default=EngineConfig.refill_fraction)
+  p.add_argument("--refill-fraction", type=float, default=EngineConfig.queue.refill_fraction)
   p.add_argument("--refill-from-costs", action=argparse.BooleanOptionalAction,
-                 default=EngineConfig.refill_from_costs,
+                 default=EngineConfig.queue.refill_from_costs,
                  help="choose the free slots that make a segment refill from measured costs "
                       "(else --refill-fraction throughout)")
   p.add_argument("--kv-budget-rows", type=int, default=None,
                  help="the dense and paged arms' KV budget, in dense rows (default: slots / 2)")
   p.add_argument("--paged-slots", type=int, default=None,
                  help="the paged arm's slots (default 2 x --slots: memory, not slots, limits it)")
-  p.add_argument("--page-size", type=int, default=EngineConfig.page_size)
-  p.add_argument("--page-ahead", type=int, default=EngineConfig.page_ahead)
+  p.add_argument("--page-size", type=int, default=EngineConfig.paging.page_size)
+  p.add_argument("--page-ahead", type=int, default=EngineConfig.paging.page_ahead)
   p.add_argument("--prompt-len", type=int, default=32)
   p.add_argument("--max-new", type=int, default=256)
   p.add_argument("--temperature", type=float, default=1.0)
@@ -151,19 +153,23 @@ def main(argv=None) -> dict:
   tunings = collections.defaultdict(EngineTuning)
   # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
   # timed call compiles a bucket the untimed one did not reach
-  queue = EngineConfig(max_rows=a.slots, refill_fraction=a.refill_fraction,
-                       refill_from_costs=a.refill_from_costs, compile_ahead=True)
-  plain = EngineConfig(compile_ahead=True)
+  queue = EngineConfig(queue=QueueConfig(max_rows=a.slots, refill_fraction=a.refill_fraction,
+                                         refill_from_costs=a.refill_from_costs),
+                       compile=CompileConfig(ahead=True))
+  plain = EngineConfig(compile=CompileConfig(ahead=True))
   # one KV budget: what `budget_rows` dense rows take (AR: prompt + max_new positions each)
   budget_rows = a.kv_budget_rows or max(a.slots // 2, a.group)
   token_bytes = 2 * cfg_m.num_layers * cfg_m.num_kv_heads * cfg_m.head_dim * 4
   budget_gb = budget_rows * (prompts.shape[1] + a.max_new) * token_bytes / 2**30
-  dense = EngineConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction,
-                       refill_from_costs=a.refill_from_costs, compile_ahead=True)
-  paged = EngineConfig(max_rows=a.paged_slots or 2 * a.slots,
-                       refill_fraction=a.refill_fraction,
-                       refill_from_costs=a.refill_from_costs, compile_ahead=True,
-                       kv_cache_gb=budget_gb, page_size=a.page_size, page_ahead=a.page_ahead)
+  dense = EngineConfig(queue=QueueConfig(max_rows=budget_rows, refill_fraction=a.refill_fraction,
+                                         refill_from_costs=a.refill_from_costs),
+                       compile=CompileConfig(ahead=True))
+  paged = EngineConfig(queue=QueueConfig(max_rows=a.paged_slots or 2 * a.slots,
+                                         refill_fraction=a.refill_fraction,
+                                         refill_from_costs=a.refill_from_costs),
+                       paging=PagingConfig(kv_cache_gb=budget_gb, page_size=a.page_size,
+                                           page_ahead=a.page_ahead),
+                       compile=CompileConfig(ahead=True))
 
   def waves(i: int, spec: bool):
     outs = []

@@ -40,6 +40,7 @@ from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, eagle3_drafte
 from specjax.jobs import run_main  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, speculative_generate)
+from specjax.sampling.engine_config import CompileConfig  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -127,7 +128,7 @@ def main(argv=None) -> dict:
           arms[f"{arm}_adaptive"] = lambda i, d=d, p=params, t=EngineTuning(): \
               speculative_generate(target, d, p, prompts, lens, key(i), cfg,
                                    draft_len=a.max_draft_len,
-                                   engine=EngineConfig(compile_ahead=True), tuning=t)
+                                   engine=EngineConfig(compile=CompileConfig(ahead=True)), tuning=t)
       log(f"batch {batch}, {name}: {len(arms)} arms")
       timed = collections.defaultdict(list)  # every timed call's rollout (call 0 is untimed)
 

@@ -772,6 +772,7 @@ def tq_specjax(a, tdir: str, target, eos, prompts, lens) -> dict:
   from specjax.models.hf import load_pretrained
   from specjax.sampling import (AcceptanceMetrics, EngineConfig, EngineTuning, SamplingConfig,
                                 generate, speculative_generate)
+  from specjax.sampling.engine_config import CompileConfig, QueueConfig
 
   model = load_pretrained(tdir)
   x = jnp.asarray(prompts[:2])
@@ -784,8 +785,8 @@ def tq_specjax(a, tdir: str, target, eos, prompts, lens) -> dict:
   tunings = collections.defaultdict(EngineTuning)
   # every bucket compiled (and timed) before the first segment, as RL rollouts do, so that no
   # timed call compiles a bucket the untimed one did not reach
-  plain = EngineConfig(compile_ahead=True)
-  queue = EngineConfig(max_rows=a.slots, compile_ahead=True)
+  plain = EngineConfig(compile=CompileConfig(ahead=True))
+  queue = EngineConfig(queue=QueueConfig(max_rows=a.slots), compile=CompileConfig(ahead=True))
   p, n = jnp.asarray(prompts), jnp.asarray(lens)
   rows, s = p.shape[0], a.slots
   key = lambda i, w=0: jax.random.fold_in(jax.random.key(a.seed * 1000 + i), w)

@@ -92,9 +92,10 @@ def _defaults() -> ExperimentConfig:
           grpo=GRPOConfig(group_size=8),
           policy_optim=OptimConfig(lr=3e-4, warmup_steps=2, clip_norm=1.0),
           draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
-          draft=DraftConfig(kind="eagle3", draft_len=3, online=True, loss_weight=1.0,
-                            adaptive=False),
-          rollout=RolloutConfig(temperature=1.0, max_new_tokens=24, compaction=False),
+          draft=DraftConfig(kind="eagle3", draft_len=3, online=True, loss_weight=1.0),
+          rollout=RolloutConfig(temperature=1.0, max_new_tokens=24,
+                                engine=RolloutConfig.engine.replace(
+                                    buckets=dict(compaction=False), adaptive=dict(enabled=False))),
           validation=ValidationConfig(every=10, num_prompts=128, batch_size=128),
           checkpoint=CheckpointConfig(every=20),
           steps=60, prompts_per_step=16, seed=0, progress=True))

@@ -86,8 +86,10 @@ DEFAULTS = ExperimentConfig(
         grpo=GRPOConfig(group_size=4),
         policy_optim=OptimConfig(lr=2e-4, warmup_steps=2, clip_norm=1.0),
         draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
-        draft=DraftConfig(kind="eagle3-history", draft_len=7, draft_lens=(2, 4), online=False),
-        rollout=RolloutConfig(temperature=0.7, max_new_tokens=7 * TRACE_STEPS - 3, min_bucket=2),
+        draft=DraftConfig(kind="eagle3-history", draft_len=7, online=False),
+        rollout=RolloutConfig(temperature=0.7, max_new_tokens=7 * TRACE_STEPS - 3,
+                              engine=RolloutConfig.engine.replace(
+                                  buckets=dict(min_bucket=2), adaptive=dict(draft_lens=(2, 4)))),
         validation=ValidationConfig(every=10, num_prompts=64, batch_size=64),
         checkpoint=CheckpointConfig(every=0),  # on exit only: saving costs a step
         steps=30, prompts_per_step=2, seed=0, progress=True),

@@ -42,9 +42,10 @@ def rl_config(use_mesh: bool):
   from specjax.sharding import MeshConfig
   # a fixed K and no compaction: one segment program per rollout, the fewest compiles
   return RLConfig(model=model_config(), grpo=GRPOConfig(group_size=4), prompts_per_step=4,
-                  steps=STEPS, rollout=RolloutConfig(max_new_tokens=4, compaction=False),
-                  draft=DraftConfig(kind="eagle3", draft_len=2, online=True, ttt_steps=2,
-                                    adaptive=False),
+                  steps=STEPS,
+                  rollout=RolloutConfig(max_new_tokens=4, engine=RolloutConfig.engine.replace(
+                      buckets=dict(compaction=False), adaptive=dict(enabled=False))),
+                  draft=DraftConfig(kind="eagle3", draft_len=2, online=True, ttt_steps=2),
                   policy_optim=OptimConfig(lr=1e-3), draft_optim=OptimConfig(lr=1e-3),
                   checkpoint=CheckpointConfig(every=1), mesh=MeshConfig(*MESH_SHAPE),
                   use_mesh=use_mesh, progress=False, tensorboard=False)

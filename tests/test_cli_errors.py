@@ -151,8 +151,8 @@ def _mesh_does_not_fit(tmp):
 
 
 def _impossible_kv_budget(tmp):
-  return (dict(extra=["--rl.rollout.kv-cache-gb", "0.000001"]),
-          "RolloutConfig.kv_cache_gb: 1e-06 GiB holds 0 pages")
+  return (dict(extra=["--rl.rollout.engine.paging.kv-cache-gb", "0.000001"]),
+          "RolloutConfig.engine.paging.kv_cache_gb: 1e-06 GiB holds 0 pages")
 
 
 def _out_dir_is_a_file(tmp):

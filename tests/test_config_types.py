@@ -38,10 +38,13 @@ def test_yaml_numbers_that_fit_are_taken():
   import tempfile
 
   with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
-    f.write("policy_optim:\n  lr: 1e-3\n  clip_norm: 2\ndraft:\n  adaptive: false\n")
+    f.write("policy_optim:\n  lr: 1e-3\n  clip_norm: 2\n"
+            "rollout:\n  engine:\n    adaptive:\n      enabled: false\n")
   cfg = load_config(f.name)
   assert cfg.policy_optim.lr == 1e-3 and isinstance(cfg.policy_optim.clip_norm, float)
-  assert cfg.draft.adaptive is False
+  assert cfg.rollout.engine.adaptive.enabled is False
+  # the rest of the engine keeps the RL run's defaults (programs compiled ahead)
+  assert cfg.rollout.engine.compile.ahead is True
 
 
 def test_a_range_error_in_yaml_names_the_file_too(tmp_path):
@@ -52,8 +55,9 @@ def test_a_range_error_in_yaml_names_the_file_too(tmp_path):
 
 def test_a_draft_length_ladder_with_k_0_is_refused_when_the_config_is_read(tmp_path):
   # (not minutes later, when the first rollout builds the engine's config)
-  path = _yaml(tmp_path, "draft:\n  draft_lens: [2, 0]\n")
-  with pytest.raises(ValueError, match=rf"^{path}: DraftConfig.draft_lens: must be K >= 1"):
+  path = _yaml(tmp_path, "rollout:\n  engine:\n    adaptive:\n      draft_lens: [2, 0]\n")
+  with pytest.raises(ValueError,
+                     match=rf"^{path}: EngineConfig.adaptive.draft_lens: must be K >= 1"):
     load_config(path)
 
 
@@ -102,3 +106,41 @@ def test_a_cli_flag_at_a_moved_path_is_refused_naming_the_new_flag(args, shown):
     parse_args(ExperimentConfig(), args)
   cfg = parse_args(ExperimentConfig(), ["--rl.train.no-packing", "--rl.train.width-block", "8"])
   assert not cfg.rl.train.packing and cfg.rl.train.width_block == 8
+
+
+@pytest.mark.parametrize("args, shown", [
+    (["--rl.rollout.max-rows", "64"], "--rl.rollout.max-rows: moved to "
+                                      "--rl.rollout.engine.queue.max-rows"),
+    (["--rl.rollout.no-compaction"], "--rl.rollout.no-compaction: moved to "
+                                     "--rl.rollout.engine.buckets.no-compaction"),
+    (["--rl.rollout.compile-ahead"], "--rl.rollout.compile-ahead: moved to "
+                                     "--rl.rollout.engine.compile.ahead"),
+    (["--rl.draft.no-adaptive"], "--rl.draft.no-adaptive: moved to "
+                                 "--rl.rollout.engine.adaptive.no-enabled"),
+    (["--rl.draft.draft-lens", "2", "4"], "--rl.draft.draft-lens: moved to "
+                                          "--rl.rollout.engine.adaptive.draft-lens"),
+])
+def test_the_engines_old_flags_name_their_place_in_the_engine_tree(args, shown):
+  with pytest.raises(UserError, match=f"^{shown}$"):
+    parse_args(ExperimentConfig(), args)
+
+
+def test_every_engine_field_is_a_flag_and_a_yaml_key(tmp_path):
+  """The engine's tree sits in the RL config whole: settings the RL config never mirrored (the
+  paged kernel's launch, page_ahead, calibration) are reachable too."""
+  cfg = parse_args(ExperimentConfig(), [
+      "--rl.rollout.engine.paging.kernel-pages", "4", "--rl.rollout.engine.paging.page-ahead", "8",
+      "--rl.rollout.engine.queue.max-rows", "64", "--rl.rollout.engine.adaptive.no-enabled",
+      "--rl.rollout.engine.adaptive.draft-lens", "2", "4",
+      "--rl.rollout.engine.calibration.repeats", "3"])
+  engine = cfg.rl.rollout.engine
+  assert (engine.paging.kernel_pages, engine.paging.page_ahead, engine.queue.max_rows) == (4, 8, 64)
+  assert not engine.adaptive.enabled and engine.adaptive.draft_lens == (2, 4)
+  assert engine.calibration.repeats == 3 and engine.compile.ahead  # (the RL default kept)
+  path = _yaml(tmp_path, "rl:\n  rollout:\n    engine:\n      paging:\n        kernel_warps: 2\n")
+  engine = parse_args(ExperimentConfig(), ["--config", path]).rl.rollout.engine
+  assert engine.paging.kernel_warps == 2
+  path = _yaml(tmp_path, "rl:\n  draft:\n    max_draft_len: 5\n")
+  with pytest.raises(ValueError, match=r"ExperimentConfig.rl.draft.max_draft_len: moved to "
+                                       r"rl.rollout.engine.adaptive.max_draft_len$"):
+    parse_args(ExperimentConfig(), ["--config", path])

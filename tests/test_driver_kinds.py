@@ -24,7 +24,8 @@ GSM8K = os.path.join(FIXTURES, "gsm8k_tiny.jsonl")
 # one short program per run: fixed K, no live-batch buckets, no validation, no AR baseline
 TINY = ["--rl.steps", "2", "--rl.prompts-per-step", "2", "--rl.grpo.group-size", "2",
         "--rl.rollout.max-new-tokens", "3", "--rl.validation.every", "0", "--rl.draft.draft-len",
-        "2", "--rl.draft.no-adaptive", "--rl.rollout.no-compaction", "--rl.no-progress",
+        "2", "--rl.rollout.engine.adaptive.no-enabled",
+        "--rl.rollout.engine.buckets.no-compaction", "--rl.no-progress",
         "--no-compare", "--draft-init.steps", "2", "--draft-init.prompts", "4",
         "--draft-init.batch-size", "2"]
 

@@ -16,6 +16,8 @@ from program_count import assert_the_count_rises_when_programs_compile
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (STATIC, Drafter, EngineConfig, EngineTuning, SamplingConfig, generate,
                               speculative_generate)
+from specjax.sampling.engine_config import (AdaptiveConfig, BucketConfig, CalibrationConfig,
+                                            CompileConfig)
 from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine as eng
 from specjax.sampling.engine import programs
@@ -33,7 +35,8 @@ CFG = ModelConfig(vocab_size=32, hidden_size=32, num_layers=2, num_heads=2, num_
 PROMPTS = jnp.asarray(np.random.default_rng(5).integers(1, 32, (8, 6)), jnp.int32)
 PROMPT_LENGTHS = jnp.asarray([6, 3, 5, 2, 6, 4, 1, 6], jnp.int32)
 GREEDY = SamplingConfig(max_new_tokens=24, temperature=0.0, eos_ids=(1, 2))
-ENGINE = EngineConfig(window_block=8)  # small windows, so rows cross window boundaries too
+# small windows, so rows cross window boundaries too
+ENGINE = EngineConfig(buckets=BucketConfig(window_block=8))
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +123,8 @@ def test_adaptive_k_turns_speculation_off_when_no_draft_is_accepted(target, stat
   # that no K can promise after the probe's 5 rejected drafts (E[tokens | K] <= 1.21 < 1.25), so
   # every later K is 0 whatever the step timings: with the default 0.05, K > 0 stays a candidate
   # until ~22 drafts were rejected, and the measured costs (load) decided whether it drafted again
-  engine = EngineConfig(window_block=0, min_gain=0.25)
+  engine = EngineConfig(buckets=BucketConfig(window_block=0),
+                        adaptive=AdaptiveConfig(min_gain=0.25))
   out = speculative_generate(target, RejectedDrafter(draft_len=3, token=never), (), PROMPTS,
                              PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=engine)
   assert_same_rollout(out, static_ar)
@@ -160,7 +164,8 @@ def test_a_stateful_drafter_that_never_pays_is_retired_for_the_rest_of_the_rollo
   drafter = ObservingRejectedDrafter(draft_len=3, token=never)
   # min_gain 0.5: after the first rollout's probe no K can promise it (E[tokens | K] <= 1.28,
   # even with the counts decayed at the next rollout), whatever the step timings
-  engine = EngineConfig(window_block=0, min_gain=0.5, calibration_repeats=1)
+  engine = EngineConfig(buckets=BucketConfig(window_block=0), adaptive=AdaptiveConfig(min_gain=0.5),
+                        calibration=CalibrationConfig(repeats=1))
   tuning = EngineTuning()  # the second rollout starts from the first one's estimate
   run = lambda: speculative_generate(target, drafter, (), PROMPTS, PROMPT_LENGTHS,
                                      jax.random.key(1), GREEDY, engine=engine, tuning=tuning)
@@ -209,11 +214,11 @@ def test_a_draft_tree_runs_only_where_its_acceptance_pays_for_its_wider_verify()
     """Chain and tree estimates after 100 drafts each, `*_hits` accepted at positions 0..2."""
     policies = {}
     for w, hits in ((1, chain_hits), (3, tree_hits)):
-      est = AcceptanceEstimate(3, engine.prior_acceptance, engine.prior_weight)
+      est = AcceptanceEstimate(3, engine.adaptive.prior_acceptance, engine.adaptive.prior_weight)
       if hits is not None:
         est.add(3, 100.0, np.asarray(hits, np.float64))
-      policies[w] = DraftLenPolicy((0, 1, 2, 3), est, engine)
-    return DraftShapePolicy(policies, engine)
+      policies[w] = DraftLenPolicy((0, 1, 2, 3), est, engine.adaptive)
+    return DraftShapePolicy(policies, engine.adaptive)
 
   # a step costs 1.0 + 0.1 per verified position (1 + K * width of them)
   cost = lambda k, w: 1.0 + 0.1 * k * w
@@ -341,7 +346,7 @@ def test_after_the_first_rollout_no_bucket_path_compiles_anything(target, make_k
   Also with the raw uint32 keys the RL loop passes (a segment taking a raw key is another
   program than one taking a typed key)."""
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
-  engine = EngineConfig(adaptive=False, compile_ahead=True)
+  engine = EngineConfig(adaptive=AdaptiveConfig(enabled=False), compile=CompileConfig(ahead=True))
   jax.clear_caches()
   tuning = EngineTuning()
   run = lambda i: generate(target, PROMPTS, PROMPT_LENGTHS, make_key(i), sampled, engine=engine,
@@ -371,7 +376,8 @@ def test_ahead_every_bucket_compiles_every_draft_len_in_the_first_rollout(target
   sampled = dataclasses.replace(GREEDY, temperature=1.0)
   jax.clear_caches()
   tuning = EngineTuning()
-  engine = EngineConfig(compile_ahead=True, draft_lens=draft_lens)
+  engine = EngineConfig(adaptive=AdaptiveConfig(draft_lens=draft_lens),
+                        compile=CompileConfig(ahead=True))
   run = lambda i: speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), PROMPTS,
                                        PROMPT_LENGTHS, jax.random.key(i), sampled,
                                        engine=engine, tuning=tuning)
@@ -406,13 +412,14 @@ def test_by_default_a_bucket_compiles_when_a_rollout_first_reaches_it(target):
   reached, counts = set(), []
   for i in range(4):
     out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(i), sampled,
-                   engine=EngineConfig(adaptive=False), tuning=tuning)
+                   engine=EngineConfig(adaptive=AdaptiveConfig(enabled=False)), tuning=tuning)
     reached |= {s.bucket for s in out.segments}
     counts.append(len(reached))
     assert programs.segment_jit._cache_size() == len(reached), (i, reached)
   assert counts[0] < 4 and len(set(counts)) > 1, counts  # buckets skipped at first, then reached
   ahead = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(3), sampled,
-                   engine=EngineConfig(adaptive=False, compile_ahead=True))
+                   engine=EngineConfig(adaptive=AdaptiveConfig(enabled=False),
+                                       compile=CompileConfig(ahead=True)))
   assert_same_rollout(out, ahead)
 
 
@@ -442,7 +449,7 @@ def test_segments_refine_the_calibrated_step_costs(target):
   """Each segment moves its (bucket, K) step cost toward the seconds per step it measured (its
   calibrated fixed cost taken off), with weight iterations / (iterations + cost_memory); costs
   of programs no segment ran keep their startup calibration."""
-  engine = EngineConfig(cost_memory=16.0)
+  engine = EngineConfig(calibration=CalibrationConfig(cost_memory=16.0))
   tuning = EngineTuning()
   out = speculative_generate(target, NgramDrafter(draft_len=2, n=2), (), PROMPTS, PROMPT_LENGTHS,
                              jax.random.key(1), GREEDY, engine=engine, tuning=tuning)
@@ -453,7 +460,7 @@ def test_segments_refine_the_calibrated_step_costs(target):
     bk = (s.bucket, s.draft_len)
     if s.iterations:
       per_step = max(s.seconds - table[bk]["segment_s"], s.seconds / 8) / s.iterations
-      w = s.iterations / (s.iterations + engine.cost_memory)
+      w = s.iterations / (s.iterations + engine.calibration.cost_memory)
       cost[bk] = (1 - w) * cost[bk] + w * per_step
       steps[bk] += s.iterations
   assert sum(steps.values()) == int(out.num_steps) > 0
@@ -468,7 +475,7 @@ def test_segments_refine_the_calibrated_step_costs(target):
 def test_measured_costs_belong_to_the_tuning_object_passed_in(target):
   """A call without `tuning` keeps nothing; calls sharing one `EngineTuning` reuse its
   calibration (the second rollout measures no new cost); another object starts empty."""
-  engine = EngineConfig(calibration_repeats=1)
+  engine = EngineConfig(calibration=CalibrationConfig(repeats=1))
   drafter = NgramDrafter(draft_len=2, n=2)
   call = lambda tuning, i: speculative_generate(target, drafter, (), PROMPTS, PROMPT_LENGTHS,
                                                 jax.random.key(i), GREEDY, engine=engine,
@@ -535,12 +542,13 @@ def test_a_cached_cost_is_checked_once_against_the_runs_own_steps(tmp_path):
   # the RL run's setting reaches the engine; a factor of 1 or less is a clear error
   from specjax.rl.config import RLConfig, RolloutConfig
   from specjax.rl.rollout import engine_config
-  cfg = RLConfig(rollout=RolloutConfig(recheck_cached_costs=2.0))
-  assert engine_config(cfg).recheck_cached_costs == 2.0
-  with pytest.raises(ValueError, match="RolloutConfig.recheck_cached_costs.*got 0.5"):
-    RolloutConfig(recheck_cached_costs=0.5)
-  with pytest.raises(ValueError, match="EngineConfig.recheck_cached_costs.*got 1.0"):
-    EngineConfig(recheck_cached_costs=1.0)
+  cfg = RLConfig(rollout=RolloutConfig(
+      engine=RolloutConfig.engine.replace(calibration=dict(recheck_cached_costs=2.0))))
+  assert engine_config(cfg).calibration.recheck_cached_costs == 2.0
+  with pytest.raises(ValueError, match="EngineConfig.calibration.recheck_cached_costs.*got 0.5"):
+    CalibrationConfig(recheck_cached_costs=0.5)
+  with pytest.raises(ValueError, match="EngineConfig.calibration.recheck_cached_costs.*got 1.0"):
+    EngineConfig(calibration=CalibrationConfig(recheck_cached_costs=1.0))
 
 
 def test_timed_costs_are_kept_monotone_in_rows_and_draft_length_and_slopes_bounded():
@@ -577,7 +585,7 @@ def test_a_cost_cache_a_rollout_contradicts_is_replaced_by_its_steps(target, sta
   check off, the stale figures stay. Either way the tokens are the plain loop's."""
   import json
   path = str(tmp_path / "costs.json")
-  engine = EngineConfig(calibration_repeats=1, recheck_steps=4)
+  engine = EngineConfig(calibration=CalibrationConfig(repeats=1, recheck_steps=4))
   drafter, params = NgramDrafter(draft_len=2, n=2), ()
   call = lambda tuning, engine: speculative_generate(
       target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY,

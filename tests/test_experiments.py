@@ -19,7 +19,7 @@ TINY = ["--base.steps", "4", "--base.examples", "64", "--base.batch-size", "16",
         "--rl.rollout.max-new-tokens", "18",
         # one live-batch bucket (8 rows): adaptive K still runs; compaction is test_engine's and
         # test_rl_loop's, and each smaller bucket would add programs to compile and calibrate
-        "--rl.rollout.min-bucket", "8"]
+        "--rl.rollout.engine.buckets.min-bucket", "8"]
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ from specjax.models import Decoder
 from specjax.models.decoder import DecoderOutput
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, Sequences, generate,
                               segment, speculative_generate)
+from specjax.sampling.engine_config import AdaptiveConfig, QueueConfig
 from specjax.sampling.drafter import TargetStep
 from specjax.sampling.metrics import AcceptanceMetrics
 from specjax.sampling.processing import process_logits
@@ -158,8 +159,9 @@ def acceptance(out) -> float:
 def test_greedy_history_drafts_keep_the_output_and_are_accepted_once_the_store_holds_it(
     target, ar_greedy, engine):
   """`queue`: 4 slots with compaction: rows prefilled into freed slots load their own entries."""
-  eng = STATIC if engine == "static" else EngineConfig(max_rows=4, refill_fraction=0.25,
-                                                       adaptive=False)
+  eng = STATIC if engine == "static" else EngineConfig(queue=QueueConfig(max_rows=4,
+                                                                         refill_fraction=0.25),
+                                                       adaptive=AdaptiveConfig(enabled=False))
   drafter = HistoryDrafter(draft_len=3, n=3, min_n=1, min_match=2)
   rates = {}
   for name, store in (("empty", HistoryStore(16, 2, 32, 3)), ("filled", filled_store(ar_greedy))):

@@ -24,6 +24,8 @@ from specjax.models import Decoder
 from specjax.models.paged import PagedKV
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, generate,
                               speculative_generate)
+from specjax.sampling.engine_config import (AdaptiveConfig, BucketConfig, CompileConfig,
+                                            PagingConfig, QueueConfig)
 from specjax.sampling.engine import paged_state, programs, slot_pages
 from specjax.sampling.engine.kv import PagedKVManager
 from specjax.sampling import segment as seg
@@ -34,10 +36,16 @@ PAGE = 4
 PAGE_BYTES = bytes_per_page(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, PAGE, jnp.float32)
 
 
-def paged(num_pages: int, **kw) -> EngineConfig:
-  """An engine whose pool holds `num_pages` pages of PAGE positions."""
-  kw = {"max_rows": 8, "refill_fraction": 0.25, "page_ahead": 4, **kw}
-  return EngineConfig(kv_cache_gb=num_pages * PAGE_BYTES / 2**30, page_size=PAGE, **kw)
+def paged(num_pages: int, *, max_rows: int = 8, share_prefill: bool = True, adaptive: bool = True,
+          compile_ahead: bool = False, window_block: int = 0, **paging) -> EngineConfig:
+  """An engine whose pool holds `num_pages` pages of PAGE positions (`paging`: more of its
+  PagingConfig)."""
+  paging = {"page_ahead": 4, **paging}
+  return EngineConfig(
+      queue=QueueConfig(max_rows=max_rows, refill_fraction=0.25, share_prefill=share_prefill),
+      paging=PagingConfig(kv_cache_gb=num_pages * PAGE_BYTES / 2**30, page_size=PAGE, **paging),
+      buckets=BucketConfig(window_block=window_block), adaptive=AdaptiveConfig(enabled=adaptive),
+      compile=CompileConfig(ahead=compile_ahead))
 
 
 @pytest.fixture(scope="module")
@@ -277,16 +285,16 @@ def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
   with pytest.raises(ValueError, match="kv_cache_gb.*holds 4 pages.*one row needs 9"):
     speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
                          GREEDY, engine=paged(8))
-  with pytest.raises(ValueError, match="EngineConfig.page_size"):
-    EngineConfig(page_size=0)
-  with pytest.raises(ValueError, match="EngineConfig.kernel_pages"):
-    EngineConfig(kernel_pages=3)
+  with pytest.raises(ValueError, match="EngineConfig.paging.page_size"):
+    EngineConfig(paging=PagingConfig(page_size=0))
+  with pytest.raises(ValueError, match="EngineConfig.paging.kernel_pages"):
+    EngineConfig(paging=PagingConfig(kernel_pages=3))
 
 
 def test_the_kernels_launch_settings_reach_every_paged_attention(target, static_ar, monkeypatch):
-  """`EngineConfig.kernel_pages` / `kernel_warps` travel with the target's and the draft model's
-  pools into every paged attention call (the GPU kernel's launch; the CPU path ignores them),
-  and the rollout is the plain loop's."""
+  """`EngineConfig.paging.kernel_pages` / `kernel_warps` travel with the target's and the draft
+  model's pools into every paged attention call (the GPU kernel's launch; the CPU path ignores
+  them), and the rollout is the plain loop's."""
   from specjax.models import paged as paged_lib
   seen, real = set(), paged_lib.paged_attention
 
@@ -441,8 +449,10 @@ def test_rollout_kv_budget_is_fixed_at_the_first_rollout(monkeypatch):
 
   cfg = parse_args(ExperimentConfig(), ["--rl.rollout.kv-cache-fraction", "0.25"])
   assert cfg.rl.rollout.kv_cache_fraction == 0.25
-  with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction: set it or kv_cache_gb"):
-    RolloutConfig(kv_cache_fraction=0.25, kv_cache_gb=1.0)
+  paged = RolloutConfig.engine.replace(paging=dict(kv_cache_gb=1.0))
+  with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction: set it or "
+                                       "engine.paging.kv_cache_gb"):
+    RolloutConfig(kv_cache_fraction=0.25, engine=paged)
   with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction: must be in"):
     RolloutConfig(kv_cache_fraction=1.0)
   with pytest.raises(ValueError, match="RolloutConfig.kv_cache_fraction=0.25: device"):
@@ -453,5 +463,6 @@ def test_rollout_kv_budget_is_fixed_at_the_first_rollout(monkeypatch):
   assert budget.resolve(cfg.rl.rollout) == 2.0  # a quarter of the 8 GiB free
   gpu.stats = {"bytes_limit": 10 * 2**30, "bytes_in_use": 6 * 2**30}  # the run placed more
   assert budget.resolve(cfg.rl.rollout) == budget.resolve(cfg.rl.rollout) == 2.0
-  assert rollout.engine_config(cfg.rl, budget.gb).kv_cache_gb == 2.0
-  assert rollout.KVBudget().resolve(RolloutConfig(kv_cache_gb=1.5)) == 1.5
+  assert rollout.engine_config(cfg.rl, budget.gb).paging.kv_cache_gb == 2.0
+  assert rollout.KVBudget().resolve(
+      RolloutConfig(engine=RolloutConfig.engine.replace(paging=dict(kv_cache_gb=1.5)))) == 1.5

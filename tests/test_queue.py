@@ -17,6 +17,8 @@ from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.models import Decoder, ModelConfig
 from specjax.sampling import (STATIC, EngineConfig, EngineTuning, SamplingConfig, generate,
                               speculative_generate)
+from specjax.sampling.engine_config import (AdaptiveConfig, BucketConfig, CalibrationConfig,
+                                            CompileConfig, QueueConfig)
 from specjax.sampling import engine as eng
 from specjax.sampling.engine import batch as batch_programs
 from specjax.sampling.engine import programs
@@ -75,7 +77,7 @@ def test_refills_and_compaction_update_the_state_in_place(target, static_ar, mon
 
   real = {name: record(name) for name in ("harvest", "admit", "write_back")}
   out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY,
-                 engine=EngineConfig(max_rows=8))
+                 engine=EngineConfig(queue=QueueConfig(max_rows=8)))
   assert_same_rollout(out, static_ar)
   shape = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype) if isinstance(x, jax.Array) else x
   nbytes = lambda tree: sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
@@ -94,7 +96,8 @@ def test_the_fixture_has_long_tailed_lengths_and_rows_done_at_once(static_ar):
 
 @pytest.mark.parametrize("max_rows,refill", [(8, 0.25), (4, 0.25), (8, 1.0)])
 def test_greedy_queue_equals_the_plain_loop(target, static_ar, max_rows, refill):
-  engine = EngineConfig(max_rows=max_rows, refill_fraction=refill, window_block=8)
+  engine = EngineConfig(queue=QueueConfig(max_rows=max_rows, refill_fraction=refill),
+                        buckets=BucketConfig(window_block=8))
   out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=engine)
   assert_same_rollout(out, static_ar)
   # the slots stayed full while rows waited: every segment before the drain started with all of
@@ -111,7 +114,7 @@ def test_greedy_speculative_queue_equals_the_plain_loop(target, static_ar, kind)
     drafter, params = DraftModelDrafter.from_model(target, 3)
   else:
     drafter, params = NgramDrafter(draft_len=3, n=2), ()
-  engine = EngineConfig(max_rows=8, refill_fraction=0.25)
+  engine = EngineConfig(queue=QueueConfig(max_rows=8, refill_fraction=0.25))
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
                              GREEDY, engine=engine)
   assert_same_rollout(out, static_ar)
@@ -131,9 +134,10 @@ def test_queue_prefills_whole_groups_and_shares_their_prefill(target):
   # (refills of 4 rows either way, not chosen from timings, so both runs admit at the same
   # steps and draw the same keys)
   run = lambda share: generate(target, prompts, lengths, jax.random.key(3), cfg,
-                               engine=EngineConfig(max_rows=8, refill_fraction=0.5,
-                                                   refill_from_costs=False,
-                                                   share_prefill=share))
+                               engine=EngineConfig(queue=QueueConfig(max_rows=8,
+                                                                     refill_fraction=0.5,
+                                                                     refill_from_costs=False,
+                                                                     share_prefill=share)))
   assert queue_slots(24, 8, 4, 1, 0.5) == queue_slots(24, 8, 1, 1, 0.5) == (8, 4, 4)
   assert_same_rollout(run(True), run(False))
 
@@ -148,10 +152,10 @@ def test_queue_slots_are_whole_groups_over_the_data_parallel_size():
   # slots and prefills are groups on each data-parallel replica, refills whole rows per replica
   assert queue_slots(64, 18, 4, 2, 0.125) == (16, 2, 8)
   assert queue_slots(64, 3, 4, 2, 0.5) == (8, 4, 8)
-  with pytest.raises(ValueError, match="EngineConfig.max_rows"):
-    EngineConfig(max_rows=-1)
-  with pytest.raises(ValueError, match="EngineConfig.refill_fraction"):
-    EngineConfig(refill_fraction=0.0)
+  with pytest.raises(ValueError, match="EngineConfig.queue.max_rows"):
+    EngineConfig(queue=QueueConfig(max_rows=-1))
+  with pytest.raises(ValueError, match="EngineConfig.queue.refill_fraction"):
+    EngineConfig(queue=QueueConfig(refill_fraction=0.0))
 
 
 def test_a_groups_samples_take_slots_as_they_free_from_one_prefill(target, monkeypatch):
@@ -170,7 +174,8 @@ def test_a_groups_samples_take_slots_as_they_free_from_one_prefill(target, monke
 
   monkeypatch.setattr(programs, "init_jit", counted)
   # (refills of 2 throughout: none chosen from costs, whose timing would prefill too)
-  engine = EngineConfig(max_rows=8, refill_fraction=0.25, refill_from_costs=False)
+  engine = EngineConfig(queue=QueueConfig(max_rows=8, refill_fraction=0.25,
+                                          refill_from_costs=False))
   assert queue_slots(24, 8, 4, 1, 0.25) == (8, 2, 4)
   out = generate(target, prompts, lengths, jax.random.key(0), GREEDY, engine=engine)
   assert_same_rollout(out, static)
@@ -209,7 +214,7 @@ def test_refills_chosen_from_measured_costs_keep_the_rollout_and_one_seed_gives_
   Greedy: the plain loop's rollout. Temperature 1: with the stored costs, a seed's second run is
   its first, token for token."""
   tuning = EngineTuning()
-  engine = EngineConfig(max_rows=8)
+  engine = EngineConfig(queue=QueueConfig(max_rows=8))
   out = generate(target, PROMPTS, PROMPT_LENGTHS, jax.random.key(0), GREEDY, engine=engine,
                  tuning=tuning)
   assert_same_rollout(out, static_ar)
@@ -244,14 +249,16 @@ def assert_nothing_compiles_after_the_first_rollout(target, engine: EngineConfig
 def test_after_the_first_queued_rollout_nothing_compiles(target):
   # compile_ahead: by default a later rollout may reach a bucket the first did not, and compile it
   assert_nothing_compiles_after_the_first_rollout(
-      target, EngineConfig(max_rows=8, refill_fraction=0.25, adaptive=False, compile_ahead=True),
+      target, EngineConfig(queue=QueueConfig(max_rows=8, refill_fraction=0.25),
+                           adaptive=AdaptiveConfig(enabled=False),
+                           compile=CompileConfig(ahead=True)),
       rounds=3)
 
 
 def test_sharded_queue_equals_one_device(target, static_ar):
   mesh = make_mesh(MeshConfig(2, 1, 4))
   sharded = shard_model(nnx.clone(target), mesh)
-  engine = EngineConfig(max_rows=8, refill_fraction=0.25)
+  engine = EngineConfig(queue=QueueConfig(max_rows=8, refill_fraction=0.25))
   out = speculative_generate(sharded, NgramDrafter(draft_len=2, n=2), (), PROMPTS,
                              PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=engine)
   assert_same_rollout(out, static_ar)
@@ -296,8 +303,9 @@ def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, pl
   """`paged`: the n-gram arm on a KV pool of 300 pages of 2 positions, an eighth of what the 256
   slots would hold at full length, so admissions wait for pages and rows wait to grow."""
   prompts, lengths = stat_prompts()
-  engine = EngineConfig(max_rows=256, refill_fraction=0.125, max_buckets=2,
-                        calibration_repeats=1)
+  engine = EngineConfig(queue=QueueConfig(max_rows=256, refill_fraction=0.125),
+                        buckets=BucketConfig(max_buckets=2),
+                        calibration=CalibrationConfig(repeats=1))
   if kind == "paged":
     page_bytes = bytes_per_page(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 2, jnp.float32)
     engine = dataclasses.replace(engine, kv_cache_gb=300 * page_bytes / 2**30, page_size=2,
@@ -327,7 +335,9 @@ def test_temperature_one_groups_admitted_in_parts_match_the_plain_loop(target, p
   kinds = (np.arange(ROWS) // 4) % 2
   prompts = jnp.where(jnp.asarray(kinds == 0)[:, None], a, b)
   lengths = jnp.where(jnp.asarray(kinds == 0), a_len, b_len)
-  engine = EngineConfig(max_rows=64, refill_fraction=0.1, max_buckets=2, calibration_repeats=1)
+  engine = EngineConfig(queue=QueueConfig(max_rows=64, refill_fraction=0.1),
+                        buckets=BucketConfig(max_buckets=2),
+                        calibration=CalibrationConfig(repeats=1))
   assert queue_slots(ROWS, 64, 4, 1, 0.1) == (64, 7, 8)
   out = generate(target, prompts, lengths, jax.random.key(21), SAMPLE, engine=engine)
   # (each admission places 7 rows, so a prefill of 8 always leaves one waiting)

@@ -73,8 +73,9 @@ def test_speculative_rollouts_with_an_online_eagle_draft_complete_and_log_accept
   # a fixed K (adaptive off): every step drafts, so acceptance is logged at every step; the
   # plain loop (no compaction): one program, the engine's buckets are test_engine's subject
   cfg = CFG.replace(steps=3, draft=DraftConfig(kind="eagle3", draft_len=2, online=True,
-                                               ttt_steps=2, adaptive=False),
-                    rollout=dataclasses.replace(CFG.rollout, compaction=False),
+                                               ttt_steps=2),
+                    rollout=dataclasses.replace(CFG.rollout, engine=CFG.rollout.engine.replace(
+                        buckets=dict(compaction=False), adaptive=dict(enabled=False))),
                     draft_optim=OptimConfig(lr=1e-3),
                     validation=ValidationConfig(every=3, num_prompts=64, batch_size=64,
                                                 greedy=False))
@@ -98,8 +99,9 @@ def test_a_train_batch_cut_to_its_longest_row_trains_exactly_like_the_full_width
   the first step. Packing the sequences (the default) is the same update again, with nothing to
   warm up."""
   # the plain rollout loop (compaction changes no rollout, and its buckets would only compile)
-  cfg = CFG.replace(steps=2, rollout=RolloutConfig(temperature=1.0, max_new_tokens=40,
-                                                   compaction=False),
+  cfg = CFG.replace(steps=2, rollout=RolloutConfig(
+      temperature=1.0, max_new_tokens=40,
+      engine=RolloutConfig.engine.replace(buckets=dict(compaction=False))),
                     train=TrainConfig(width_block=8, packing=False),
                     validation=ValidationConfig())
   cut = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "cut"), verbose=False)
@@ -166,7 +168,9 @@ def test_history_drafts_from_a_revisited_prompt_pool_and_resumes_exactly(base_mo
   drafter has each prompt's earlier answers; the history travels in the checkpoint, so an
   interrupted run resumes as the uninterrupted one."""
   cfg = CFG.replace(steps=4, task=dataclasses.replace(CFG.task, pool_size=8),
-                    draft=DraftConfig(kind="history", draft_len=2, adaptive=False),
+                    draft=DraftConfig(kind="history", draft_len=2),
+                    rollout=dataclasses.replace(CFG.rollout, engine=CFG.rollout.engine.replace(
+                        adaptive=dict(enabled=False))),
                     checkpoint=CheckpointConfig(save_on_exit=True, resume=True))
   full = run_rl(cfg, base_model, TOK, out_dir=str(tmp_path / "full"), verbose=False)
   records = read_metrics(full["metrics_path"])
@@ -254,7 +258,8 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
     build_drafter(RLConfig(draft=DraftConfig(kind="ngram", tree_width=2)), graphdef, model_cfg)
   with pytest.raises(ValueError, match="DraftConfig.tree_width=2: draft trees .* dense"):
     build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2),
-                           rollout=RolloutConfig(kv_cache_gb=0.01)), graphdef,
+                           rollout=RolloutConfig(engine=RolloutConfig.engine.replace(
+                               paging=dict(kv_cache_gb=0.01)))), graphdef,
                   model_cfg.replace(mtp=True))
   drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2, tree_depth=1,
                                                         tree_argmax=True)),

@@ -261,9 +261,11 @@ def test_dense_and_paged_runs_keep_separate_costs():
 
   from specjax.drafters import NgramDrafter
   from specjax.sampling import EngineConfig, speculative_generate
+  from specjax.sampling.engine_config import CalibrationConfig, PagingConfig, QueueConfig
   from specjax.sampling.engine import program_statics
 
-  dense = EngineConfig(max_rows=8, refill_fraction=0.25, page_ahead=4, calibration_repeats=1)
+  dense = EngineConfig(queue=QueueConfig(max_rows=8, refill_fraction=0.25),
+                       paging=PagingConfig(page_ahead=4), calibration=CalibrationConfig(repeats=1))
   paged = replace(dense, kv_cache_gb=1e-3, page_size=4)
   statics = {program_statics(e) for e in (
       dense, paged, replace(paged, page_size=8), replace(paged, kernel_pages=4),

@@ -32,7 +32,7 @@ TINY = ["--base.steps", "2", "--base.examples", "32", "--base.batch-size", "8",
         "--base.pretrain-mlp-hidden", "0",
         "--rl.validation.every", "0",
         # the plain loop: one program per arm (the engine's buckets and K are not under test here)
-        "--rl.draft.no-adaptive", "--rl.rollout.no-compaction"]
+        "--rl.rollout.engine.adaptive.no-enabled", "--rl.rollout.engine.buckets.no-compaction"]
 
 
 def test_an_existing_run_is_refused_without_resume_or_fresh(tmp_path):
@@ -62,10 +62,12 @@ def test_a_kv_budget_no_row_fits_in_is_refused_from_the_config_as_the_engine_wou
 
   def cfg(gb, max_prompt_len=0):
     return ExperimentConfig(rl=RLConfig(rollout=RolloutConfig(
-        kv_cache_gb=gb, max_new_tokens=40, page_size=16, max_prompt_len=max_prompt_len)))
+        max_new_tokens=40, max_prompt_len=max_prompt_len,
+        engine=RolloutConfig.engine.replace(paging=dict(kv_cache_gb=gb, page_size=16)))))
 
   page = bytes_per_page(MODEL.num_layers, MODEL.num_kv_heads, MODEL.head_dim, 16, "float32")
-  with pytest.raises(UserError, match=r"RolloutConfig.kv_cache_gb: .* holds 2 pages of 16 tokens"
+  with pytest.raises(UserError, match=r"RolloutConfig.engine.paging.kv_cache_gb: .* holds 2 "
+                                      r"pages of 16 tokens"
                                       r".* one row needs 3 pages \(41 positions: a prompt of >= 1 "
                                       r"\+ max_new_tokens 40\); raise it"):
     check_kv_budget(cfg(2.5 * page / 2**30), MODEL, task=None)

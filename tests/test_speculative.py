@@ -16,6 +16,8 @@ from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.drafters.draft_model import truncated_copy
 from specjax.sampling import engine, speculative
 from specjax.sampling import STATIC, EngineConfig
+from specjax.sampling.engine_config import (BucketConfig, CalibrationConfig, PagingConfig,
+                                            QueueConfig)
 import stats
 
 # the same tiny target, prompts and greedy config as test_drafters (programs are shared)
@@ -124,7 +126,8 @@ def test_draft_trees_need_a_ranking_drafter_and_dense_caches(target):
   drafter, params = DraftModelDrafter.from_model(target, K, tree_width=2)
   with pytest.raises(ValueError, match="dense caches"):
     speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
-                         GREEDY, engine=EngineConfig(kv_cache_gb=0.01, max_rows=4))
+                         GREEDY, engine=EngineConfig(queue=QueueConfig(max_rows=4),
+                                                     paging=PagingConfig(kv_cache_gb=0.01)))
   with pytest.raises(ValueError, match="tree_width must be an int >= 1"):
     speculative_generate(target, DraftModelDrafter.from_model(target, K, tree_width=0)[0],
                          params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY)
@@ -166,7 +169,7 @@ ALPHA = 1e-3  # family-wise, Bonferroni over the positions and the pair test of 
 # The engine's defaults (compaction, adaptive K) with two bucket sizes and one calibration repeat:
 # about a quarter of the rows end early, so the live batch never fits even the half bucket, and
 # the default's further halvings would only be compiled and calibrated (63 -> 19 s, 44 -> 14 s).
-ENGINE = EngineConfig(max_buckets=2, calibration_repeats=1)
+ENGINE = EngineConfig(buckets=BucketConfig(max_buckets=2), calibration=CalibrationConfig(repeats=1))
 
 
 def stat_prompts():

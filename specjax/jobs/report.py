@@ -179,7 +179,8 @@ def scaled_projection(cfg: Any, results: dict[str, dict], stats: dict[str, dict]
                        max_new=rl.rollout.max_new_tokens,
                        acceptance_length=spec["acceptance_length_mean"],
                        draft_kind=rl.draft.kind, draft_len=rl.draft.draft_len,
-                       model="qwen3-8b", hardware="h100", gpus=8, adaptive=rl.draft.adaptive)
+                       model="qwen3-8b", hardware="h100", gpus=8,
+                       adaptive=rl.rollout.engine.adaptive.enabled)
   except (ValueError, KeyError) as e:  # a kind or shape the simulator does not model
     return {"label": "projection unavailable", "reason": str(e)}
   return {"label": "PROJECTION (simulator, not measured): this workload scaled to Qwen3-8B on "

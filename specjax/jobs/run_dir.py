@@ -171,13 +171,13 @@ def check_policy(cfg: Any, policy_cfg: Any, tokenizer: Any, source: str) -> None
 
 
 def check_kv_budget(cfg: Any, model_cfg: Any, task: Any) -> None:
-  """RolloutConfig.kv_cache_gb against the least a row can need, before anything is built: the
-  engine would refuse such a pool at the first rollout, minutes later (`paged_state.pool_size`, the
-  same check). The bound is a prompt of the fixed width (max_prompt_len; else one token) +
+  """RolloutConfig.engine.paging.kv_cache_gb against the least a row can need, before anything
+  is built: the engine would refuse such a pool at the first rollout, minutes later
+  (`paged_state.pool_size`, the same check). The bound is a prompt of the fixed width (max_prompt_len; else one token) +
   max_new_tokens, on pages of the policy's KV alone, split over as many devices as its kv heads
   could be: a pool refused here is refused there too."""
-  r = cfg.rl.rollout
-  if r.kv_cache_gb <= 0:  # dense caches, or kv_cache_fraction: known at the first rollout
+  r, paging = cfg.rl.rollout, cfg.rl.rollout.engine.paging
+  if paging.kv_cache_gb <= 0:  # dense caches, or kv_cache_fraction: known at the first rollout
     return
   from specjax.sampling.engine.paged_state import bytes_per_page, pool_size
 
@@ -187,8 +187,8 @@ def check_kv_budget(cfg: Any, model_cfg: Any, task: Any) -> None:
 
     split = max(1, min(model_cfg.num_kv_heads, jax.device_count()))
   page_bytes = bytes_per_page(model_cfg.num_layers, model_cfg.num_kv_heads, model_cfg.head_dim,
-                              r.page_size, model_cfg.compute_dtype) / split
+                              paging.page_size, model_cfg.compute_dtype) / split
   prompt = r.max_prompt_len or getattr(task, "max_prompt_len", 0) or 1
-  pool_size(r.kv_cache_gb, page_bytes, r.page_size, prompt + r.max_new_tokens,
-            field="RolloutConfig.kv_cache_gb",
+  pool_size(paging.kv_cache_gb, page_bytes, paging.page_size, prompt + r.max_new_tokens,
+            field="RolloutConfig.engine.paging.kv_cache_gb",
             positions=f"a prompt of >= {prompt} + max_new_tokens {r.max_new_tokens}")

@@ -13,21 +13,16 @@ from specjax.config_tree import check as _check, load, one_of as _one_of
 from specjax.models.config import ModelConfig
 from specjax.optim import OptimConfig
 from specjax.rl.grpo import GRPOConfig
-from specjax.sampling.engine_config import EngineConfig
+from specjax.sampling.engine_config import CompileConfig, EngineConfig
 from specjax.drafters.methods import DraftMethod, get_method, method_names
 from specjax.sharding.mesh import MeshConfig
-
-# the rollout engine's defaults have one home (EngineConfig); the RL config reads them from there
-_ENGINE = EngineConfig()
-
 
 @dataclasses.dataclass(frozen=True)
 class DraftConfig:
   kind: str = "none"
-  draft_len: int = 3  # K, tokens proposed per speculative step (adaptive: the largest K)
-  adaptive: bool = _ENGINE.adaptive  # the engine picks K in 0..max_draft_len per live-batch bucket
-  max_draft_len: int = _ENGINE.max_draft_len  # adaptive: largest K; 0 -> draft_len
-  draft_lens: tuple[int, ...] = _ENGINE.draft_lens  # adaptive: the K between (empty: all of them)
+  # K, tokens proposed per speculative step; with the engine's adaptive K
+  # (`rollout.engine.adaptive`) the largest K it picks from (unless adaptive.max_draft_len)
+  draft_len: int = 3
   # candidates verified per depth: 1 a chain; W > 1 a draft tree, the drafter's W - 1 next most
   # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense caches)
   tree_width: int = 1
@@ -56,10 +51,6 @@ class DraftConfig:
     w = "DraftConfig"
     _one_of(self.kind, method_names(), f"{w}.kind")
     _check(self.draft_len >= 1, f"{w}.draft_len", f"must be >= 1, got {self.draft_len}")
-    _check(self.max_draft_len >= 0, f"{w}.max_draft_len",
-           f"must be >= 0 (0: draft_len), got {self.max_draft_len}")
-    _check(all(k >= 1 for k in self.draft_lens), f"{w}.draft_lens",
-           f"must be K >= 1 (0 and the largest K are always choices), got {self.draft_lens}")
     _check(self.tree_width >= 1, f"{w}.tree_width", f"must be >= 1 (1: a chain), got "
            f"{self.tree_width}")
     _check(self.tree_depth >= 0, f"{w}.tree_depth", f"must be >= 0 (0: every depth), got "
@@ -102,44 +93,34 @@ class RolloutConfig:
   # else each batch's longest prompt rounded up to 32 (set it for datasets: fewer compilations)
   max_prompt_len: int = 0
   gen_dtype: str = ""  # "" -> the policy's own dtype (colocated: the very same arrays)
-  # the rollout engine: gather live rows into power-of-two buckets as rows finish; optionally
-  # cut the cache a step's program sees to window_block * 2^j positions (0: the whole cache,
-  # of which attention reads the live part anyway; every window is one more compiled program
-  # per bucket and K)
-  compaction: bool = _ENGINE.compaction
-  min_bucket: int = _ENGINE.min_bucket
-  window_block: int = _ENGINE.window_block
-  # True: every bucket's programs compile before the first rollout's first segment, so no later
-  # step compiles (its rollout time is steps only); False (the engine's own default): each
-  # bucket's when a rollout first reaches it, a faster first rollout
-  compile_ahead: bool = True
-  # slots: rows generated at once (0: the whole step's rows); more rows queue and are admitted
-  # into the slots of finished ones, refill_fraction of the slots at a time until rows have
-  # finished, then as many as measured costs make best (refill_from_costs; False: the fraction
-  # throughout)
-  max_rows: int = _ENGINE.max_rows
-  refill_fraction: float = _ENGINE.refill_fraction
-  refill_from_costs: bool = _ENGINE.refill_from_costs
-  # the target's KV memory for the rollouts in GiB per device: > 0 pages it (rows hold pages for the tokens
-  # they have; waiting rows are admitted while pages are free; with max_rows 0, the slots are
-  # the rows the empty pool holds at once); 0: a dense max-length cache per slot
-  kv_cache_gb: float = _ENGINE.kv_cache_gb
-  # or (> 0, instead of kv_cache_gb) that share of the device memory still free at the first
-  # rollout (after the weights and the train state), fixed for the rest of the run
+  # the rollout engine (`specjax.sampling.engine_config`: the queue, paged KV memory, buckets
+  # and windows, adaptive K, calibration, compilation), every field a YAML key and a CLI flag
+  # (`--rl.rollout.engine.queue.max-rows 64`). An RL run compiles every bucket's programs before
+  # the first rollout's first segment (compile.ahead), so no later step compiles and its rollout
+  # time is steps only (the engine's own default, for one-off calls: each bucket's when a
+  # rollout first reaches it, a faster first rollout)
+  engine: EngineConfig = EngineConfig(compile=CompileConfig(ahead=True))
+  # the target's KV memory as a share (> 0, instead of engine.paging.kv_cache_gb) of the device
+  # memory still free at the first rollout (after the weights and the train state), fixed for
+  # the rest of the run
   kv_cache_fraction: float = 0.0
-  page_size: int = _ENGINE.page_size
   # the adaptive engine's step costs: measured once per program, bucket and K, then read from the
   # machine's cost cache (a JSON file; "": $SPECJAX_COST_CACHE or ~/.cache/specjax/
   # engine_costs.json; "off": none, each run measures its own); a run reads it once, at its
   # start, and keeps its costs in <run>/engine_costs.json and every checkpoint, so one seed gives
-  # one trajectory and a resumed run reads what it read; cost_memory > 0 refines them by the
-  # rollouts' own timings (EngineConfig.cost_memory: K then follows the machine's load)
+  # one trajectory and a resumed run reads what it read (engine.calibration.cost_memory > 0
+  # refines them by the rollouts' own timings: K then follows the machine's load)
   cost_cache: str = ""
-  cost_memory: float = _ENGINE.cost_memory
-  # a cost read from that cache (another run's) is checked once against this run's own steps
-  # and replaced there, for later runs, by their figure where they differ from it by more than
-  # this factor (0: never); the run keeps the figure it read
-  recheck_cached_costs: float = _ENGINE.recheck_cached_costs
+
+  # old paths of the engine's fields, which RolloutConfig mirrored, with their new ones
+  MOVED_FIELDS: ClassVar[dict[str, str]] = {
+      **{name: f"engine.queue.{name}" for name in ("max_rows", "refill_fraction",
+                                                   "refill_from_costs")},
+      **{name: f"engine.paging.{name}" for name in ("kv_cache_gb", "page_size")},
+      **{name: f"engine.buckets.{name}" for name in ("compaction", "min_bucket", "window_block")},
+      "compile_ahead": "engine.compile.ahead",
+      **{name: f"engine.calibration.{name}" for name in ("cost_memory", "recheck_cached_costs")},
+  }
 
   def __post_init__(self):
     w = "RolloutConfig"
@@ -151,25 +132,13 @@ class RolloutConfig:
     _check(self.max_prompt_len >= 0, f"{w}.max_prompt_len",
            f"must be >= 0, got {self.max_prompt_len}")
     _one_of(self.gen_dtype, ("", "float32", "bfloat16", "float16"), f"{w}.gen_dtype")
-    _check(self.min_bucket >= 1, f"{w}.min_bucket", f"must be >= 1, got {self.min_bucket}")
-    _check(self.window_block >= 0, f"{w}.window_block", f"must be >= 0, got {self.window_block}")
-    _check(self.max_rows >= 0, f"{w}.max_rows", f"must be >= 0 (0: every row at once), got "
-           f"{self.max_rows}")
-    _check(0 < self.refill_fraction <= 1, f"{w}.refill_fraction",
-           f"must be in (0, 1], got {self.refill_fraction}")
-    _check(self.kv_cache_gb >= 0, f"{w}.kv_cache_gb",
-           f"must be >= 0 (0: dense caches), got {self.kv_cache_gb}")
     _check(0 <= self.kv_cache_fraction < 1, f"{w}.kv_cache_fraction",
-           f"must be in [0, 1) (0: kv_cache_gb decides), got {self.kv_cache_fraction}")
-    _check(not (self.kv_cache_fraction and self.kv_cache_gb), f"{w}.kv_cache_fraction",
-           f"set it or kv_cache_gb, not both (got {self.kv_cache_fraction} and "
-           f"{self.kv_cache_gb} GiB)")
-    _check(self.page_size >= 1, f"{w}.page_size", f"must be >= 1, got {self.page_size}")
-    _check(self.cost_memory >= 0, f"{w}.cost_memory", f"must be >= 0 (0: no refinement), got "
-           f"{self.cost_memory}")
-    _check(self.recheck_cached_costs == 0 or self.recheck_cached_costs > 1,
-           f"{w}.recheck_cached_costs",
-           f"must be 0 (never) or > 1, got {self.recheck_cached_costs}")
+           f"must be in [0, 1) (0: engine.paging.kv_cache_gb decides), got "
+           f"{self.kv_cache_fraction}")
+    _check(not (self.kv_cache_fraction and self.engine.paging.kv_cache_gb),
+           f"{w}.kv_cache_fraction",
+           f"set it or engine.paging.kv_cache_gb, not both (got {self.kv_cache_fraction} and "
+           f"{self.engine.paging.kv_cache_gb} GiB)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +293,12 @@ class RLConfig:
   # old paths of fields that moved, with their new ones: YAML keys and CLI flags that use an old
   # path fail with a message naming the new one (`specjax.config_tree`)
   MOVED_FIELDS: ClassVar[dict[str, str]] = {
-      f"rollout.train_{name}": f"train.{name}"
-      for name in ("temperature", "width_block", "packing", "pack_width", "pack_rows",
-                   "skip_zero_advantage")}
+      **{f"rollout.train_{name}": f"train.{name}"
+         for name in ("temperature", "width_block", "packing", "pack_width", "pack_rows",
+                      "skip_zero_advantage")},
+      "draft.adaptive": "rollout.engine.adaptive.enabled",
+      **{f"draft.{name}": f"rollout.engine.adaptive.{name}"
+         for name in ("max_draft_len", "draft_lens")}}
 
   def __post_init__(self):
     w = "RLConfig"

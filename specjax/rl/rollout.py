@@ -33,33 +33,24 @@ def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingC
 @dataclasses.dataclass
 class KVBudget:
   """The rollouts' KV memory in GiB, fixed for the run at its first rollout: RolloutConfig's
-  kv_cache_gb, or kv_cache_fraction of the device memory free then. One pool size for every
-  rollout, so later rollouts compile nothing new for it."""
+  engine.paging.kv_cache_gb, or kv_cache_fraction of the device memory free then. One pool size
+  for every rollout, so later rollouts compile nothing new for it."""
 
   gb: float | None = None
 
   def resolve(self, r: RolloutConfig) -> float:
     if self.gb is None:
       self.gb = kv_cache_gb_for(r.kv_cache_fraction, field="RolloutConfig.kv_cache_fraction") \
-          if r.kv_cache_fraction else r.kv_cache_gb
+          if r.kv_cache_fraction else r.engine.paging.kv_cache_gb
     return self.gb
 
 
 def engine_config(cfg: RLConfig, kv_cache_gb: float | None = None) -> EngineConfig:
-  """The rollout engine's settings from the run's config (compaction, window, adaptive K; the
-  largest K is resolved by `speculative_generate`); `kv_cache_gb` (a `KVBudget`'s) overrides
-  RolloutConfig.kv_cache_gb."""
-  r, d = cfg.rollout, cfg.draft
-  return EngineConfig(max_rows=r.max_rows, refill_fraction=r.refill_fraction,
-                      refill_from_costs=r.refill_from_costs,
-                      kv_cache_gb=r.kv_cache_gb if kv_cache_gb is None else kv_cache_gb,
-                      page_size=r.page_size,
-                      compaction=r.compaction, min_bucket=r.min_bucket,
-                      window_block=r.window_block, compile_ahead=r.compile_ahead,
-                      adaptive=d.adaptive,
-                      max_draft_len=d.max_draft_len, draft_lens=d.draft_lens,
-                      cost_memory=r.cost_memory,
-                      recheck_cached_costs=r.recheck_cached_costs)
+  """The rollout engine's settings: RolloutConfig.engine, with `kv_cache_gb` (a `KVBudget`'s,
+  resolved from RolloutConfig.kv_cache_fraction) in place of its paging.kv_cache_gb when given
+  (the largest K is resolved by `speculative_generate`)."""
+  engine = cfg.rollout.engine
+  return engine if kv_cache_gb is None else engine.replace(paging=dict(kv_cache_gb=kv_cache_gb))
 
 
 def make_tuning(cfg: RLConfig) -> EngineTuning:
@@ -83,9 +74,10 @@ def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None)
     if not drafter.drafts_trees:
       raise ValueError(f"DraftConfig.tree_width={width}: the {cfg.draft.kind!r} drafter drafts "
                        f"chains only; use 1, or kind eagle3, mtp or draft-model")
-    if cfg.rollout.kv_cache_gb > 0 or cfg.rollout.kv_cache_fraction > 0:
+    if cfg.rollout.engine.paging.kv_cache_gb > 0 or cfg.rollout.kv_cache_fraction > 0:
       raise ValueError(f"DraftConfig.tree_width={width}: draft trees are verified over dense "
-                       f"caches; set rollout.kv_cache_gb and rollout.kv_cache_fraction to 0")
+                       f"caches; set rollout.engine.paging.kv_cache_gb and "
+                       f"rollout.kv_cache_fraction to 0")
     drafter = dataclasses.replace(drafter, tree_width=width, tree_depth=cfg.draft.tree_depth,
                                   tree_argmax=cfg.draft.tree_argmax)
   return drafter, params
@@ -141,7 +133,8 @@ class RolloutSampler:
     scfg = sampling_config(self.cfg, self.tokenizer, greedy)
     engine = engine_config(self.cfg, self.kv_budget.resolve(self.cfg.rollout))
     if greedy:  # validation: accuracy, not speed; few buckets and a fixed K keep compiles few
-      engine = dataclasses.replace(engine, adaptive=False, max_draft_len=0, max_buckets=3)
+      engine = engine.replace(adaptive=dict(enabled=False, max_draft_len=0),
+                              buckets=dict(max_buckets=3))
     if self.drafter is None:
       return generate((self.policy_graphdef, policy), prompts, prompt_lengths, key, scfg,
                       engine=engine, tuning=self.tuning)

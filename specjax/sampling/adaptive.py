@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from specjax.sampling.buckets import NO_LIMIT
-from specjax.sampling.engine_config import EngineConfig
+from specjax.sampling.engine_config import AdaptiveConfig
 
 
 class AcceptanceEstimate:
@@ -66,9 +66,9 @@ class AcceptanceEstimates:
     self._stored: dict[str, dict] = {}
     self._name: Callable[[tuple], str] | None = None
 
-  def get(self, key: tuple, max_len: int, engine: EngineConfig) -> AcceptanceEstimate:
+  def get(self, key: tuple, max_len: int, cfg: AdaptiveConfig) -> AcceptanceEstimate:
     if key not in self._by_key:
-      est = AcceptanceEstimate(max_len, engine.prior_acceptance, engine.prior_weight)
+      est = AcceptanceEstimate(max_len, cfg.prior_acceptance, cfg.prior_weight)
       stored = self._stored.pop(self._name(key), None) if self._stored else None
       if stored is not None and len(stored["offered"]) == max_len:
         est.offered = np.asarray(stored["offered"], np.float64)
@@ -116,8 +116,8 @@ class DraftLenPolicy:
   acceptance `estimate` carried across rollouts."""
 
   def __init__(self, k_choices: tuple[int, ...], estimate: AcceptanceEstimate,
-               engine: EngineConfig):
-    self.k_choices, self.estimate, self.engine = k_choices, estimate, engine
+               cfg: AdaptiveConfig):
+    self.k_choices, self.estimate, self.cfg = k_choices, estimate, cfg
     self.adaptive = len(k_choices) > 1
     self.retired = False  # see `choose`
 
@@ -139,13 +139,13 @@ class DraftLenPolicy:
     if not self.estimate.seen:  # acceptance is a guess: draft once so the estimate can learn
       choices = list(self.k_choices[1:])
     else:  # a K whose expected tokens cannot beat AR by min_gain is not even measured
-      bar = 1.0 + self.engine.min_gain
+      bar = 1.0 + self.cfg.min_gain
       choices = [k for k in self.k_choices if k == 0 or self.estimate.expected_tokens(k) > bar]
       self.retired = choices == [0]
     if len(choices) == 1:
       return choices[0], float("nan")
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
-                          {k: costs[k] for k in choices}, live, self.engine.min_gain)
+                          {k: costs[k] for k in choices}, live, self.cfg.min_gain)
 
   def budget(self, k: int, j: int) -> int:
     """Steps a segment at K may run before K is chosen again; `j` counts the segments the
@@ -154,11 +154,11 @@ class DraftLenPolicy:
       # plain AR collects no acceptance evidence and the costs do not change with the live
       # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
       return NO_LIMIT
-    if self.estimate.offered[0] < max(self.engine.probe_drafts, 1e-9):
+    if self.estimate.offered[0] < max(self.cfg.probe_drafts, 1e-9):
       # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
       # again, so a drafter that fails costs a few steps, not a segment
-      return self.engine.probe_iters
-    return min(self.engine.first_segment_iters << j, self.engine.max_segment_iters)
+      return self.cfg.probe_iters
+    return min(self.cfg.first_segment_iters << j, self.cfg.max_segment_iters)
 
 
 class DraftShapePolicy:
@@ -169,8 +169,8 @@ class DraftShapePolicy:
   acceptance measured like K's), and once before that, so that its acceptance is measured at
   all. One width: that width's policy alone."""
 
-  def __init__(self, policies: dict[int, DraftLenPolicy], engine: EngineConfig):
-    self.policies, self.engine = policies, engine
+  def __init__(self, policies: dict[int, DraftLenPolicy], cfg: AdaptiveConfig):
+    self.policies, self.cfg = policies, cfg
     self.widths = tuple(policies)
     first = policies[self.widths[0]]
     self.k_choices, self.adaptive = first.k_choices, first.adaptive
@@ -204,7 +204,7 @@ class DraftShapePolicy:
     if tree in picks and picks[tree][0] > 0 and not self.estimate(tree).seen and \
         (chain not in picks or self.estimate(chain).seen):
       return picks[tree][0], tree, float("nan")  # measure the tree's acceptance once
-    bar = {w: r / (1.0 + self.engine.min_gain) if w != chain and k > 0 else r
+    bar = {w: r / (1.0 + self.cfg.min_gain) if w != chain and k > 0 else r
            for w, (k, r) in picks.items()}
     w = max(bar, key=bar.get)
     k = picks[w][0]

@@ -15,8 +15,8 @@ then), in the machine's `CostCache` (keyed by a stable description of the progra
 device, so a later run reads the timings and skips measuring them) and in `EngineTuning.to_json`
 (an RL run stores it in every checkpoint). Every cost is checked where it is measured, stored and
 read (`cost_cache.cost_problem`, `implausible_keys`). In-run refinement of the costs by the
-segments' own timings (`EngineConfig.cost_memory` > 0) makes the K choices follow the machine's
-load, hence not reproducible; it is off by default.
+segments' own timings (`EngineConfig.calibration.cost_memory` > 0) makes the K choices follow the
+machine's load, hence not reproducible; it is off by default.
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   The drafter proposes at the sampling temperature. `Rollout.stats` holds per-row
   `metrics.AcceptanceCounts` (a draft = one live row in one verify step; summarise with
   `AcceptanceMetrics.from_counts`); `Rollout.num_steps` the batch forward steps after the
-  prefill; `Rollout.segments` what the engine did. With `engine.adaptive`, K is the largest draft
-  length the engine may pick (`engine.max_draft_len` overrides it when > 0).
+  prefill; `Rollout.segments` what the engine did. With `engine.adaptive.enabled`, K is the largest
+  draft length the engine may pick (`engine.adaptive.max_draft_len` overrides it when > 0).
   `cache_size` defaults to `required_cache_size(P, max_new_tokens, K)`, the least it can be.
   `tuning` keeps the engine's measured costs and acceptance estimates across calls
   (`calibration.EngineTuning`; None: this call only).
@@ -54,7 +54,8 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   k = drafter.draft_len if draft_len is None else draft_len
   if not isinstance(k, int) or k < 1:
     raise ValueError(f"draft_len K must be an int >= 1, got {k!r}")
-  k_max = (engine.max_draft_len or k) if engine.adaptive else k  # the one place it is resolved
+  # the one place it is resolved
+  k_max = (engine.adaptive.max_draft_len or k) if engine.adaptive.enabled else k
   if not isinstance(drafter.tree_width, int) or drafter.tree_width < 1:
     raise ValueError(f"drafter.tree_width must be an int >= 1, got {drafter.tree_width!r}")
   if not isinstance(drafter.tree_depth, int) or drafter.tree_depth < 0:
@@ -64,9 +65,9 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
     if not drafter.drafts_trees:
       raise ValueError(f"drafter.tree_width={drafter.tree_width}: {type(drafter).__name__} "
                        f"drafts chains only (tree_width 1)")
-    if engine.kv_cache_gb > 0:
+    if engine.paging.kv_cache_gb > 0:
       raise ValueError(f"drafter.tree_width={drafter.tree_width}: draft trees are verified "
-                       f"over dense caches; set EngineConfig.kv_cache_gb to 0 or tree_width "
+                       f"over dense caches; set EngineConfig.paging.kv_cache_gb to 0 or tree_width "
                        f"to 1")
   drafter = dataclasses.replace(drafter, draft_len=k_max, temperature=cfg.temperature)
   vocab = nnx.merge(graphdef, params).cfg.vocab_size

@@ -21,6 +21,7 @@ from specjax.config_tree import refuse
 from specjax.sampling.adaptive import AcceptanceEstimate, DraftLenPolicy
 from specjax.sampling.buckets import bucket_sizes, window_for
 from specjax.sampling.engine_config import EngineConfig
+from specjax.sampling.engine_config import AdaptiveConfig, BucketConfig
 from specjax.sim.workload import rate_for_acceptance
 
 ARMS = ("ar_static", "ar_compact", "spec_static", "spec_compact", "spec_adaptive")
@@ -50,17 +51,17 @@ class EngineModelConfig:
   adaptive: bool = False
   compact: bool = True
   windowed: bool = True
-  min_bucket: int = ENGINE_DEFAULTS.min_bucket
-  max_buckets: int = ENGINE_DEFAULTS.max_buckets
+  min_bucket: int = ENGINE_DEFAULTS.buckets.min_bucket
+  max_buckets: int = ENGINE_DEFAULTS.buckets.max_buckets
   dp: int = 1  # data-parallel size: every bucket is a multiple of it
   window_multiple: int = 128
   # adaptive: steps of a drafting segment while fewer than probe_drafts drafts back the
   # acceptance estimate, then first_segment_iters doubling per segment at a bucket's K up to
   # max_segment_iters (`DraftLenPolicy.budget`); the estimate starts empty, as in a first rollout
-  probe_iters: int = ENGINE_DEFAULTS.probe_iters
-  probe_drafts: float = ENGINE_DEFAULTS.probe_drafts
-  first_segment_iters: int = ENGINE_DEFAULTS.first_segment_iters
-  max_segment_iters: int = ENGINE_DEFAULTS.max_segment_iters
+  probe_iters: int = ENGINE_DEFAULTS.adaptive.probe_iters
+  probe_drafts: float = ENGINE_DEFAULTS.adaptive.probe_drafts
+  first_segment_iters: int = ENGINE_DEFAULTS.adaptive.first_segment_iters
+  max_segment_iters: int = ENGINE_DEFAULTS.adaptive.max_segment_iters
   segment_overhead_s: float = 0.0  # host work per segment: sync, summary, compaction gather
 
   def __post_init__(self):
@@ -110,16 +111,18 @@ class EngineModelConfig:
   def draft_len_policy(self) -> DraftLenPolicy:
     """The engine's K policy at this config, with an empty acceptance estimate (the model takes
     only its iteration budget: K itself is chosen from the given rates)."""
-    engine = EngineConfig(compaction=self.compact, min_bucket=self.min_bucket,
-                          max_buckets=self.max_buckets, adaptive=self.adaptive,
-                          max_draft_len=self.max_draft_len, probe_iters=self.probe_iters,
-                          probe_drafts=self.probe_drafts,
-                          first_segment_iters=self.first_segment_iters,
-                          max_segment_iters=self.max_segment_iters)
+    engine = EngineConfig(buckets=BucketConfig(compaction=self.compact, min_bucket=self.min_bucket,
+                                               max_buckets=self.max_buckets),
+                          adaptive=AdaptiveConfig(enabled=self.adaptive,
+                                                  max_draft_len=self.max_draft_len,
+                                                  probe_iters=self.probe_iters,
+                                                  probe_drafts=self.probe_drafts,
+                                                  first_segment_iters=self.first_segment_iters,
+                                                  max_segment_iters=self.max_segment_iters))
     k_choices = tuple(range(self.max_draft_len + 1)) if self.adaptive else (self.draft_len,)
-    estimate = AcceptanceEstimate(max(self.max_draft_len, 1), engine.prior_acceptance,
-                                  engine.prior_weight)
-    return DraftLenPolicy(k_choices, estimate, engine)
+    estimate = AcceptanceEstimate(max(self.max_draft_len, 1), engine.adaptive.prior_acceptance,
+                                  engine.adaptive.prior_weight)
+    return DraftLenPolicy(k_choices, estimate, engine.adaptive)
 
 
 def tokens_per_step(rates: Sequence[float], draft_len: int) -> tuple[float, float]:

@@ -133,6 +133,7 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
 
   from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig, EngineTuning,
                                 SamplingConfig, generate, speculative_generate)
+  from specjax.sampling.engine_config import AdaptiveConfig, BucketConfig
   from specjax.drafters import DraftModelDrafter, DraftModelMethod, truncated_copy
 
   cfg = cfg.replace(init_std=init_std)
@@ -146,9 +147,11 @@ def time_engine_arms(cfg: ModelConfig, *, batch: int, prompt_len: int, max_new: 
                         eos_ids=tuple(range(1, eos_tokens + 1)))
   drafter, dparams = DraftModelDrafter.from_model(truncated_copy(target, draft_layers), draft_len)
   engines = {"static": STATIC,
-             "compact": EngineConfig(adaptive=False, min_bucket=min_bucket),
-             "adaptive": EngineConfig(adaptive=True, max_draft_len=max_draft_len,
-                                      min_bucket=min_bucket)}
+             "compact": EngineConfig(buckets=BucketConfig(min_bucket=min_bucket),
+                                     adaptive=AdaptiveConfig(enabled=False)),
+             "adaptive": EngineConfig(buckets=BucketConfig(min_bucket=min_bucket),
+                                      adaptive=AdaptiveConfig(enabled=True,
+                                                              max_draft_len=max_draft_len))}
   key = jax.random.key(seed)
   out_arms = {}
   tuning = EngineTuning()

@@ -41,19 +41,19 @@ class EngineRun:
     p, spec, engine = self.programs, self.speculation, self.engine
     batch_size = prompts.shape[0]
     dp = data_parallel_size(p.mesh)
-    group = prompt_group(prompts, prompt_lengths, dp) if engine.share_prefill else 1
+    group = prompt_group(prompts, prompt_lengths, dp) if engine.queue.share_prefill else 1
     kv = kv_manager(p, prompt_lengths)
     # a queue: `slots` rows step at once; a segment returns once `refill` slots are free, and
     # they take waiting rows, prefilled `prefill_rows` (whole prompt groups) at a time
     queue_ok = p.drafter is None or p.drafter.row_local
-    max_rows = engine.max_rows if queue_ok else 0
+    max_rows = engine.queue.max_rows if queue_ok else 0
     if kv.paged and queue_ok and not max_rows:
       max_rows = kv.slots_held(group)
     slots, refill, prefill_rows = queue_slots(batch_size, max_rows, group, dp,
-                                              engine.refill_fraction)
-    compact = engine.compaction and queue_ok
-    buckets = bucket_sizes(slots, dp, engine.min_bucket, engine.max_buckets) if compact else \
-        bucket_sizes(slots, dp, slots)
+                                              engine.queue.refill_fraction)
+    compact = engine.buckets.compaction and queue_ok
+    buckets = bucket_sizes(slots, dp, engine.buckets.min_bucket, engine.buckets.max_buckets) \
+        if compact else bucket_sizes(slots, dp, slots)
     key_prefill, key_loop = jax.random.split(key)
     spec.start(key_loop)
     batch = Batch.start(p.prefill(prompts[:slots], prompt_lengths[:slots], key_prefill, group),
@@ -62,9 +62,9 @@ class EngineRun:
     rows = np.concatenate([unplaced, np.arange(slots, batch_size)]).astype(np.int64)
     sched = Scheduler(p, kv, rows, prompts, prompt_lengths, key_prefill, group, slots, refill,
                       prefill_rows, dp)
-    spec.prepare(batch, buckets if engine.compile_ahead else buckets[:1],
+    spec.prepare(batch, buckets if engine.compile.ahead else buckets[:1],
                  sched.compile_jobs(batch) + kv.compile_jobs(batch))
-    if sched.waiting() and engine.refill_from_costs:
+    if sched.waiting() and engine.queue.refill_from_costs:
       sched.measure_refill_costs(batch, spec.costs)
     total_steps = 0
     # one host round trip per segment: the summary after a segment is the next one's "before"
@@ -84,7 +84,7 @@ class EngineRun:
                                  dp, by_replica=kv.paged)
       if compact and not sched.waiting() and new < batch.bucket:
         batch.compact(idx, pad, new)
-        if not engine.compile_ahead:  # (a no-op once the bucket is prepared)
+        if not engine.compile.ahead:  # (a no-op once the bucket is prepared)
           spec.prepare(batch, [new])
         # token and acceptance counts now cover only the rows in the bucket
         summary = batch.summary()

@@ -1,7 +1,7 @@
 """The engine's KV manager: where each slot's keys and values live, and what admitting a row or
 visiting the rows between segments does to them. `DenseKV`: a cache of the longest possible row
-per slot, nothing to manage. `PagedKV` memory (`EngineConfig.kv_cache_gb` > 0): a pool of pages
-(`paged_state`) handed out by the host (`slot_pages.SlotPages`) as rows grow, placed on the
+per slot, nothing to manage. `PagedKV` memory (`EngineConfig.paging.kv_cache_gb` > 0): a pool of
+pages (`paged_state`) handed out by the host (`slot_pages.SlotPages`) as rows grow, placed on the
 data-parallel replica that steps the row, swapped out to host memory when rows cannot grow.
 """
 
@@ -56,7 +56,7 @@ class DenseKV:
 
 
 class PagedKVManager:
-  """The pool of a paged run (`EngineConfig.kv_cache_gb` GiB of it on each device) and which
+  """The pool of a paged run (`EngineConfig.paging.kv_cache_gb` GiB of it on each device) and which
   slot holds which pages. A GRPO group's samples share their prompt's pages while a sibling on
   the same replica still holds them."""
 
@@ -74,20 +74,21 @@ class PagedKVManager:
 
   def pool(self, slots: int = 1, replicas: int = 1) -> SlotPages:
     """An empty pool for the target's KV, and a paged drafter cache's (host-side accounting):
-    `EngineConfig.kv_cache_gb` of it on each device, so on a mesh each data-parallel replica
+    `EngineConfig.paging.kv_cache_gb` of it on each device, so on a mesh each data-parallel replica
     holds that many GiB of pages times the devices its kv heads split over. A page is a target
     page and, for a drafter whose cache is paged (`Drafter.page_layout`), a drafter page."""
     p = self.programs
     cfg = nnx.merge(p.graphdef, p.params).cfg
-    page_size = self.engine.page_size
+    page_size = self.engine.paging.page_size
     layouts = [(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.compute_dtype)]
     if self.pages_drafter():
       layouts.append(p.drafter.page_layout(p.drafter_params))
     page_bytes = sum(paged_state.bytes_per_page(layers, hkv, dh, page_size, dtype)
                      / self.kv_head_split(hkv) for layers, hkv, dh, dtype in layouts)
-    num_pages = paged_state.pool_size(self.engine.kv_cache_gb, page_bytes, page_size,
+    num_pages = paged_state.pool_size(self.engine.paging.kv_cache_gb, page_bytes, page_size,
                                       p.cache_size)
-    return SlotPages(num_pages, page_size, p.cache_size, self.engine.page_ahead, slots, replicas)
+    return SlotPages(num_pages, page_size, p.cache_size, self.engine.paging.page_ahead, slots,
+                     replicas)
 
   def kv_head_split(self, num_kv_heads: int) -> int:
     """Devices a page's `num_kv_heads` split over (1 off a mesh)."""
@@ -147,7 +148,8 @@ class PagedKVManager:
     self.group = group
     self.pages = pages = self.pool(slots, data_parallel_size(mesh))
     admitted = self.first_admission(pages, self.prompt_lengths[:slots], group)
-    launch = dict(kernel_pages=self.engine.kernel_pages, kernel_warps=self.engine.kernel_warps)
+    paging = self.engine.paging
+    launch = dict(kernel_pages=paging.kernel_pages, kernel_warps=paging.kernel_warps)
     pool = PagedKV.create(len(dense.k), pages.num_pages, pages.page_size, slots,
                           pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=mesh, **launch)
     draft_pool = None
@@ -226,8 +228,8 @@ class PagedKVManager:
 
 
 def kv_manager(programs: Programs, prompt_lengths) -> DenseKV | PagedKVManager:
-  """The KV manager of a run: paged when `EngineConfig.kv_cache_gb` > 0 (`prompt_lengths`: the
-  caller's rows', read to the host once)."""
-  if programs.engine.kv_cache_gb <= 0:
+  """The KV manager of a run: paged when `EngineConfig.paging.kv_cache_gb` > 0 (`prompt_lengths`:
+  the caller's rows', read to the host once)."""
+  if programs.engine.paging.kv_cache_gb <= 0:
     return DenseKV()
   return PagedKVManager(programs, np.asarray(jax.device_get(prompt_lengths)))

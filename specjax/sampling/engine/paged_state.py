@@ -28,7 +28,7 @@ def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size:
 
 
 def pool_size(kv_cache_gb: float, page_bytes: float, page_size: int, cache_size: int,
-              field: str = "EngineConfig.kv_cache_gb",
+              field: str = "EngineConfig.paging.kv_cache_gb",
               positions: str = "prompt + max_new_tokens + K + 1") -> int:
   """Pages in a pool of `kv_cache_gb` GiB; a UserError naming `field` when one row of
   `cache_size` positions (`positions` says of what) cannot fit in it."""

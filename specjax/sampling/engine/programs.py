@@ -102,9 +102,10 @@ def compiled_programs() -> int:
 def program_statics(engine: EngineConfig) -> tuple:
   """The engine settings that change a segment's program, hence its step cost: the KV memory's
   layout (dense, or paged with its pool, page size and kernel launch) and the window block."""
-  layout = ("dense",) if engine.kv_cache_gb <= 0 else \
-      ("paged", engine.kv_cache_gb, engine.page_size, engine.kernel_pages, engine.kernel_warps)
-  return layout + (("window_block", engine.window_block),)
+  paging = engine.paging
+  layout = ("dense",) if paging.kv_cache_gb <= 0 else \
+      ("paged", paging.kv_cache_gb, paging.page_size, paging.kernel_pages, paging.kernel_warps)
+  return layout + (("window_block", engine.buckets.window_block),)
 
 
 class Programs:
@@ -136,7 +137,7 @@ class Programs:
   def prefill(self, prompts, prompt_lengths, key, group: int) -> EngineState:
     drafter = None if self.drafter is None else self.drafter_at(max(self.k_max, 1))
     # a paged run prefills into a prompt-wide dense buffer, then copies it into pages
-    target_size = prompts.shape[1] if self.engine.kv_cache_gb else 0
+    target_size = prompts.shape[1] if self.engine.paging.kv_cache_gb else 0
     return init_jit(self._graphdef, self.params, drafter, self.drafter_params, prompts,
                     prompt_lengths, key, cfg=self.cfg, cache_size=self.cache_size,
                     max_draft_len=max(self.k_max, 1), mesh=self.mesh, group=group,
@@ -170,9 +171,9 @@ class Programs:
     segment_jit.lower(*args, **kwargs).compile()
 
   def compile_all(self, jobs: list) -> float:
-    """Run `jobs` (each compiles programs) `EngineConfig.compile_threads` at a time (XLA
+    """Run `jobs` (each compiles programs) `EngineConfig.compile.threads` at a time (XLA
     compiles one program on one core): the seconds it took."""
-    threads = min(self.engine.compile_threads or min(os.cpu_count() or 1, 4), len(jobs))
+    threads = min(self.engine.compile.threads or min(os.cpu_count() or 1, 4), len(jobs))
     t0 = time.perf_counter()
     if threads > 1:
       with concurrent.futures.ThreadPoolExecutor(threads) as pool:

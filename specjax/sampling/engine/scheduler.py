@@ -109,7 +109,8 @@ class Scheduler:
       dp = 1 if pages is None else len(pages.replicas)
       num_pages = 0 if pages is None else pages.num_pages // dp
       raise UserError(
-          f"EngineConfig.kv_cache_gb={engine.kv_cache_gb}: the pool's {num_pages} pages"
+          f"EngineConfig.paging.kv_cache_gb={engine.paging.kv_cache_gb}: the pool's {num_pages} "
+          f"pages"
           f"{' per data-parallel replica' if dp > 1 else ''} cannot hold the first pages of one "
           f"prompt group ({self.group} rows); raise kv_cache_gb or lower page_ahead")
 
@@ -160,7 +161,7 @@ class Scheduler:
       jax.device_get(batch_programs.summarize(batch.state))
       return m
 
-    per_prefill = costs.step_cost(key_cost, run, 1, p.engine.calibration_repeats)
+    per_prefill = costs.step_cost(key_cost, run, 1, p.engine.calibration.repeats)
     self.refills.costs = (costs.fixed_cost(key_cost), per_prefill / rows)
 
   def observe(self, live_before: int, summary: Summary, iters: int) -> None:

@@ -27,8 +27,8 @@ logger = logging.getLogger("specjax.sampling.engine")
 
 class Speculation:
   """K and tree-width choices over one engine run. `drafter.draft_len` is the largest K
-  (resolved by `speculative_generate`); with `EngineConfig.adaptive` K is chosen per segment
-  among `EngineConfig.k_choices` of it."""
+  (resolved by `speculative_generate`); with `EngineConfig.adaptive.enabled.enabled` K is chosen per
+  segment among `AdaptiveConfig.k_choices` of it."""
 
   def __init__(self, programs: Programs, tuning: EngineTuning):
     self.programs = p = programs
@@ -37,24 +37,25 @@ class Speculation:
     if drafter is None:
       k_choices = (0,)
     else:
-      k_choices = engine.k_choices(self.k_max) if engine.adaptive else (self.k_max,)
+      k_choices = engine.adaptive.k_choices(self.k_max) if engine.adaptive.enabled else \
+          (self.k_max,)
     # the tree widths a segment may verify: the drafter's; adaptive, also the plain chain (1)
     tree = 1 if drafter is None else drafter.tree_width
-    self.widths = (1, tree) if engine.adaptive and tree > 1 else (tree,)
+    self.widths = (1, tree) if engine.adaptive.enabled and tree > 1 else (tree,)
     policies = {}
     for w in self.widths:  # one acceptance estimate per width: a tree accepts more
       key = (None if drafter is None else
              dataclasses.replace(drafter, draft_len=max(self.k_max, 1), tree_width=w),
              p.cfg, p.graphdef)
-      estimate = tuning.estimates.get(key, max(self.k_max, 1), engine)
-      estimate.decay(engine.estimate_decay)
-      policies[w] = DraftLenPolicy(k_choices, estimate, engine)
-    self.policy = DraftShapePolicy(policies, engine)
+      estimate = tuning.estimates.get(key, max(self.k_max, 1), engine.adaptive)
+      estimate.decay(engine.adaptive.estimate_decay)
+      policies[w] = DraftLenPolicy(k_choices, estimate, engine.adaptive)
+    self.policy = DraftShapePolicy(policies, engine.adaptive)
     self.adaptive = self.policy.adaptive  # K (and the tree width) is chosen per segment
     # the K each bucket compiles and times when it is prepared; another K costs the line
     # through 0 and k_max until a segment runs it
     self.timed_ks = k_choices[:1] if not self.adaptive else k_choices \
-        if engine.calibrate_every_k else tuple(k for k in k_choices if k in (0, self.k_max))
+        if engine.calibration.every_k else tuple(k for k in k_choices if k in (0, self.k_max))
     self.program_id = self.costs.program_id((p.graphdef, drafter, p.cfg, p.cache_size, p.mesh,
                                              program_statics(engine)))
     self.probe_key = None  # a key of the caller's kind, for dry runs (`start`)
@@ -74,7 +75,7 @@ class Speculation:
     return dataclasses.replace(self.programs.drafter, draft_len=k, tree_width=width).write_span
 
   def window(self, longest: int, k: int, width: int = 1) -> int:
-    return window_for(longest, self.span(k, width), self.engine.window_block,
+    return window_for(longest, self.span(k, width), self.engine.buckets.window_block,
                       self.programs.cache_size)
 
   def observes(self, k: int) -> bool:
@@ -111,7 +112,7 @@ class Speculation:
       line = self.costs.line(key, *self.line_point(bucket, k, width))
       # no segment ran this K yet: its cost is a guess and choosing it compiles a program, so it
       # must beat the timed K by min_gain
-      return line if self.costs.has(key) else line * (1.0 + self.engine.min_gain)
+      return line if self.costs.has(key) else line * (1.0 + self.engine.adaptive.min_gain)
     window = self.window(longest, k, width)
 
     def dry_run(state, m: int):
@@ -128,12 +129,12 @@ class Speculation:
     # (a program compiled ahead has not run yet: the first, untimed run finds it compiled)
     return self.costs.step_cost(self.cost_key(bucket, k, width),
                                 lambda m: batch.run(lambda state: dry_run(state, m)),
-                                self.engine.calibration_iters, self.engine.calibration_repeats)
+                                self.engine.calibration.iters, self.engine.calibration.repeats)
 
   def prepare(self, batch: Batch, buckets: list[int], extra_jobs: tuple = ()) -> None:
     """Compile the programs of `buckets` (the first is the batch's own bucket; the others'
     states are its first rows) on throwaway states: each bucket's segment at every timed K
-    (`timed_ks`; `EngineConfig.compile_ahead`: at every K), and for the smaller buckets
+    (`timed_ks`; `EngineConfig.compile.ahead`: at every K), and for the smaller buckets
     compaction's gather, summary and write-back, with `extra_jobs` (the queue's and the KV
     manager's programs) alongside. Then (adaptive) each smaller bucket's timed K are calibrated,
     one at a time (the first bucket's are timed when the policy first asks for them). Programs
@@ -149,7 +150,7 @@ class Speculation:
     prompt_len = int(jax.device_get(jnp.max(state.seq.lengths)))
     # ahead: every K a segment may choose (those between the timed ones would compile in a later
     # step); else the timed K only
-    ks = self.policy.k_choices if self.engine.compile_ahead else self.timed_ks
+    ks = self.policy.k_choices if self.engine.compile.ahead else self.timed_ks
     # what compaction to bucket b runs: gather from the full batch, summary, write-back
     # (a paged state's buckets share its page buffers: the pool is held once)
     subs = {buckets[0]: state}
@@ -212,6 +213,6 @@ class Speculation:
                                       (after.accepted - before.accepted).astype("float64"))
     if self.adaptive and not self.policy.retired:  # the costs of the drafter's programs
       key = self.cost_key(bucket, k, width)
-      self.costs.refine(key, iters, seconds, self.engine.cost_memory)
-      self.costs.check_cached(key, iters, seconds, self.engine.recheck_cached_costs,
-                              self.engine.recheck_steps)
+      self.costs.refine(key, iters, seconds, self.engine.calibration.cost_memory)
+      self.costs.check_cached(key, iters, seconds, self.engine.calibration.recheck_cached_costs,
+                              self.engine.calibration.recheck_steps)
