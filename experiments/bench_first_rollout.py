@@ -29,7 +29,6 @@ Compile seconds come from JAX's own compile-time events.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -96,10 +95,9 @@ def child(a: argparse.Namespace) -> dict:
   sampling = SamplingConfig(max_new_tokens=a.max_new, temperature=0.0)
   engine = EngineConfig()
   if a.child == "spec_ahead":
-    engine = dataclasses.replace(engine, compile_ahead=True)
+    engine = engine.replace(compile=dict(ahead=True))
   if a.child == "spec_every_k":
-    engine = dataclasses.replace(engine, calibrate_every_k=True, calibration_iters=3,
-                                 calibration_repeats=3)
+    engine = engine.replace(calibration=dict(every_k=True, iters=3, repeats=3))
   tuning = EngineTuning()
   if a.child == "spec_cached":  # the parent names the shared caches
     jax.config.update("jax_compilation_cache_dir", os.environ["BENCH_JAX_CACHE"])

@@ -99,7 +99,8 @@ from specjax.models import Decoder, ModelConfig  # noqa: E402
 from specjax.models import cache, paged, paged_attention  # noqa: E402
 from specjax.sampling import (STATIC, AcceptanceMetrics, EngineConfig,  # noqa: E402
                               EngineTuning, SamplingConfig, generate, speculative_generate)
-from specjax.sampling.engine_config import BucketConfig, PagingConfig, QueueConfig  # noqa: E402
+from specjax.sampling.engine_config import (BucketConfig, CompileConfig, PagingConfig,  # noqa: E402
+                                            QueueConfig)
 from specjax.sim.measure import time_forward  # noqa: E402
 
 SHAPES = {  # Qwen3 config.json values; random weights
@@ -495,7 +496,12 @@ def queue_stage(a, results: dict) -> None:
   itemsize = jnp.dtype(cfg.dtype).itemsize
   token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
   budget_gb = budget_rows * (a.queue_prompt_len + a.queue_new_tokens) * token_bytes / 2**30
-  engine = functools.partial(EngineConfig, compile_ahead=True, max_buckets=a.queue_buckets)
+  queue_engine = EngineConfig(buckets=BucketConfig(max_buckets=a.queue_buckets),
+                              compile=CompileConfig(ahead=True))
+
+  def engine(max_rows: int = 0, **paging) -> EngineConfig:
+    return queue_engine.replace(queue=dict(max_rows=max_rows), paging=paging)
+
   # each arm keeps its engine tuning across its calls, as an RL run does across its rollouts:
   # the first call compiles and times the step and refill costs, the timed calls reuse them
   tunings = collections.defaultdict(EngineTuning)
@@ -634,7 +640,8 @@ def paged_stage(a, results: dict) -> None:
   cpu = jax.devices("cpu")[0]
 
   def kernel(*args, **kw):
-    return paged_attention.paged_attention(*args, implementation="pallas", interpret=interpret, **kw)
+    return paged_attention.paged_attention(*args, implementation="pallas", interpret=interpret,
+                                           **kw)
 
   # 1. the kernel against the reference (run on the host CPU in float32) on awkward page tables
   checks = []
@@ -649,8 +656,8 @@ def paged_stage(a, results: dict) -> None:
         table[2] = paged.NO_PAGE  # a padding row (stale length): sees nothing, returns 0
         kw = {"layer": jnp.int32(1)} if layers else {}
         with jax.default_device(cpu):
-          want = np.asarray(paged_attention.paged_attention_reference(q, pk, pv, table, lengths, start,
-                                                            **kw))
+          want = np.asarray(paged_attention.paged_attention_reference(
+              q, pk, pv, table, lengths, start, **kw))
         cast = lambda x: jnp.asarray(x, dtype)
         rec = {"tokens": t, "dtype": dtype, "stacked": bool(layers)}
         try:

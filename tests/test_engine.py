@@ -284,7 +284,7 @@ def test_a_shared_prefill_for_grouped_prompts_changes_no_rollout(target, kind):
   assert buckets.prompt_group(prompts, lengths) == 4
 
   def run(share):
-    engine = dataclasses.replace(ENGINE, share_prefill=share)
+    engine = ENGINE.replace(queue=dict(share_prefill=share))
     if kind == "ar":
       return generate(target, prompts, lengths, jax.random.key(0), cfg, engine=engine)
     return speculative_generate(target, NgramDrafter(draft_len=2), (), prompts, lengths,
@@ -599,7 +599,7 @@ def test_a_cost_cache_a_rollout_contradicts_is_replaced_by_its_steps(target, sta
   for check, want in ((0.0, False), (1.5, True)):
     tuning = EngineTuning.with_cache(path)
     for _ in range(2):  # (a key's first segment in a process is not weighed)
-      out = call(tuning, dataclasses.replace(engine, recheck_cached_costs=check))
+      out = call(tuning, engine.replace(calibration=dict(recheck_cached_costs=check)))
       assert_same_rollout(out, static_ar)
     corrected = tuning.costs.corrected
     assert bool(corrected) == want

@@ -6,7 +6,6 @@ whose own drafts carry probabilities, and with drafts drawn from the history's c
 spread q the verifier's residual corrects; the queue tests' target, prompts and two-sample
 checks)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -215,7 +214,7 @@ def test_temperature_one_hybrid_drafts_keep_the_targets_distribution(target):
   out = speculative_generate(target, drafter, HistoryParams(table=store.table(),
                                                             inner=inner_params),
                              prompts, lengths, jax.random.key(20), SAMPLE,
-                             engine=dataclasses.replace(STATIC, adaptive=False))
+                             engine=STATIC.replace(adaptive=dict(enabled=False)))
   assert AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens > ROWS // 4
   assert_same_distribution(plain, out, "hybrid")
 
@@ -263,7 +262,7 @@ def test_temperature_one_sampled_history_drafts_keep_the_targets_distribution(ta
                                                                              lengths[:2]))
   _, q, _ = drafter.propose(params, state, seq, jax.random.key(0))
   assert np.all(np.asarray(jnp.max(q[:, 0], axis=-1)) < 1.0)  # the first drafts' q is spread
-  engine = dataclasses.replace(STATIC, adaptive=False)
+  engine = STATIC.replace(adaptive=dict(enabled=False))
   if broken:
     monkeypatch.setattr(segment, "verify", _without_residual)
     jax.clear_caches()  # the segment programs are traced again with it ...

@@ -308,8 +308,8 @@ def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, pl
                         calibration=CalibrationConfig(repeats=1))
   if kind == "paged":
     page_bytes = bytes_per_page(CFG.num_layers, CFG.num_kv_heads, CFG.head_dim, 2, jnp.float32)
-    engine = dataclasses.replace(engine, kv_cache_gb=300 * page_bytes / 2**30, page_size=2,
-                                 page_ahead=1)
+    engine = engine.replace(paging=dict(kv_cache_gb=300 * page_bytes / 2**30, page_size=2,
+                                        page_ahead=1))
   if kind == "ar":
     out = generate(target, prompts, lengths, jax.random.key(20), SAMPLE, engine=engine)
   else:
@@ -317,7 +317,7 @@ def test_temperature_one_queue_matches_the_plain_loop_in_distribution(target, pl
     # machine load), which would leave no drafts to test
     out = speculative_generate(target, NgramDrafter(draft_len=3, n=2), (), prompts, lengths,
                                jax.random.key(20), SAMPLE,
-                               engine=dataclasses.replace(engine, adaptive=False))
+                               engine=engine.replace(adaptive=dict(enabled=False)))
     accepted = AcceptanceMetrics.from_counts(out.stats).num_accepted_tokens
     assert accepted > ROWS // 8, f"too few accepted drafts ({accepted}) to be a test"
   if kind == "paged":

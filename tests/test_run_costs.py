@@ -9,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import jax
 import pytest
@@ -41,8 +40,9 @@ def policy():
   return nnx.split(Decoder(MODEL, rngs=nnx.Rngs(0)))
 
 
-def _cfg(cache: str, **rollout):
-  return CFG.replace(rollout=RolloutConfig(max_new_tokens=6, cost_cache=cache, **rollout))
+def _cfg(cache: str, **calibration):
+  engine = RolloutConfig.engine.replace(calibration=calibration)
+  return CFG.replace(rollout=RolloutConfig(max_new_tokens=6, cost_cache=cache, engine=engine))
 
 
 def _exact(run):
@@ -266,10 +266,11 @@ def test_dense_and_paged_runs_keep_separate_costs():
 
   dense = EngineConfig(queue=QueueConfig(max_rows=8, refill_fraction=0.25),
                        paging=PagingConfig(page_ahead=4), calibration=CalibrationConfig(repeats=1))
-  paged = replace(dense, kv_cache_gb=1e-3, page_size=4)
+  paged = dense.replace(paging=dict(kv_cache_gb=1e-3, page_size=4))
   statics = {program_statics(e) for e in (
-      dense, paged, replace(paged, page_size=8), replace(paged, kernel_pages=4),
-      replace(paged, kernel_warps=2), replace(dense, window_block=16))}
+      dense, paged, paged.replace(paging=dict(page_size=8)),
+      paged.replace(paging=dict(kernel_pages=4)), paged.replace(paging=dict(kernel_warps=2)),
+      dense.replace(buckets=dict(window_block=16)))}
   assert len(statics) == 6
   target = Decoder(SMALL, rngs=nnx.Rngs(0))
   tuning = EngineTuning()
