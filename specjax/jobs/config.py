@@ -94,7 +94,8 @@ class ExperimentConfig:
   fresh: bool = False  # start over: replace the earlier run (once the new one's checks pass) and
   #                      rebuild the cached base policy and draft head
   resume: bool = False  # continue both runs from their own last checkpoints
-  model_path: str = ""  # a local Hugging Face checkpoint (skips base pretraining)
+  # a local Hugging Face checkpoint directory or GGUF file (skips base pretraining)
+  model_path: str = ""
   # a local math set (GSM8K or DAPO rows): JSON/JSONL/parquet or a datasets dir, visited whole
   # epoch after epoch (the embedded task's prompt pool does not carry over; `--rl.task.name math
   # --rl.task.path FILE --rl.task.pool-size N` revisits its first N prompts instead)

@@ -53,8 +53,12 @@ def policy_config(cfg: ExperimentConfig, tokenizer):
   dtype; else --rl.model with a row per token id (`policy_model_cfg`)."""
   if not cfg.model_path:
     return policy_model_cfg(cfg, tokenizer)
+  from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
   from specjax.models.hf_config import config_from_hf
 
+  if gguf_path(cfg.model_path):
+    return config_from_hf(GGUFCheckpoint(cfg.model_path).config,
+                          source=f"{cfg.model_path} (its GGUF metadata)", dtype=cfg.rl.model.dtype)
   return config_from_hf(cfg.model_path, dtype=cfg.rl.model.dtype)
 
 

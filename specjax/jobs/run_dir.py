@@ -107,7 +107,13 @@ class Replacement:
 
 def check_model_dir(path: str) -> None:
   """A Hugging Face directory whose config.json and safetensors files are readable; errors name
-  the file (a damaged file would otherwise fail deep inside the loader)."""
+  the file (a damaged file would otherwise fail deep inside the loader). A GGUF file: its
+  architecture, tensor types and tensors (`gguf_import.GGUFCheckpoint`)."""
+  from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
+
+  if gguf_path(path):
+    GGUFCheckpoint(path)
+    return
   if not os.path.isdir(path):
     raise UserError(f"--model-path {path}: " + ("not a directory" if os.path.exists(path) else
                                                 "does not exist"))
@@ -173,9 +179,9 @@ def check_policy(cfg: Any, policy_cfg: Any, tokenizer: Any, source: str) -> None
 def check_kv_budget(cfg: Any, model_cfg: Any, task: Any) -> None:
   """RolloutConfig.engine.paging.kv_cache_gb against the least a row can need, before anything
   is built: the engine would refuse such a pool at the first rollout, minutes later
-  (`paged_state.pool_size`, the same check). The bound is a prompt of the fixed width (max_prompt_len; else one token) +
-  max_new_tokens, on pages of the policy's KV alone, split over as many devices as its kv heads
-  could be: a pool refused here is refused there too."""
+  (`paged_state.pool_size`, the same check). The bound is a prompt of the fixed width
+  (max_prompt_len; else one token) + max_new_tokens, on pages of the policy's KV alone, split
+  over as many devices as its kv heads could be: a pool refused here is refused there too."""
   r, paging = cfg.rl.rollout, cfg.rl.rollout.engine.paging
   if paging.kv_cache_gb <= 0:  # dense caches, or kv_cache_fraction: known at the first rollout
     return

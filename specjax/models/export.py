@@ -15,6 +15,7 @@ from typing import Callable
 
 from specjax.models.config import DTYPES
 from specjax.models.decoder import Decoder
+from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
 from specjax.models.hf import (_tensor_files, config_from_hf, config_to_hf, detect_mtp_layout,
                                save_pretrained)
 
@@ -58,13 +59,18 @@ def export_hf(model: Decoder, out_dir: str, source_dir: str | None = None,
   `max_shard_bytes`, else model.safetensors) in `dtype` (default: the source's dtype, else the
   parameters'), the MTP module in `mtp_layout` (default: the source's layout, else DeepSeek-V3).
   Tokenizer files (tokenizer.json, tokenizer_config.json, chat_template.jinja, ...) are copied from
-  `source_dir`. An existing non-empty `out_dir` is an error unless overwrite=True; the directory
-  appears whole or not at all.
+  `source_dir`; a GGUF source (a .gguf file) gives its tokenizer and chat template as those files
+  and the model's own config.json. An existing non-empty `out_dir` is an error unless
+  overwrite=True; the directory appears whole or not at all.
   """
   out_dir = _check_target(out_dir, overwrite, "export_hf")
   if dtype is not None and dtype not in DTYPES:
     raise ValueError(f"export_hf: dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-  config = _source_config(model, source_dir) if source_dir else config_to_hf(model.cfg)
+  gguf = GGUFCheckpoint(source_dir) if source_dir and gguf_path(source_dir) else None
+  if gguf is not None:  # the model's own config.json (the dequantized weights: float32 default)
+    config, source_dir = config_to_hf(model.cfg), None
+  else:
+    config = _source_config(model, source_dir) if source_dir else config_to_hf(model.cfg)
   dtype = dtype or _dtype_of(config) or model.cfg.param_dtype
   if dtype not in DTYPES:
     raise ValueError(f"export_hf: the source's dtype {dtype!r} is not one of {sorted(DTYPES)}; "
@@ -80,12 +86,13 @@ def export_hf(model: Decoder, out_dir: str, source_dir: str | None = None,
     warnings.warn(f"export_hf: {source_dir} ships MTP weights ({source_layout} layout) but the "
                   "policy has no MTP module (loaded with mtp=False); they are not exported")
 
-  return write_dir_atomically(
-      out_dir, lambda tmp: save_pretrained(model, tmp, max_shard_bytes=max_shard_bytes,
-                                           tokenizer_from=source_dir,
-                                           mtp_layout=mtp_layout or "deepseek", dtype=dtype,
-                                           config=config),
-      overwrite=overwrite, who="export_hf")
+  def write(tmp: str) -> None:
+    save_pretrained(model, tmp, max_shard_bytes=max_shard_bytes, tokenizer_from=source_dir,
+                    mtp_layout=mtp_layout or "deepseek", dtype=dtype, config=config)
+    if gguf is not None:
+      gguf.write_tokenizer_files(tmp)
+
+  return write_dir_atomically(out_dir, write, overwrite=overwrite, who="export_hf")
 
 
 def _check_target(out_dir: str, overwrite: bool, who: str) -> str:

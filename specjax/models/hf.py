@@ -22,6 +22,7 @@ from safetensors.numpy import save_file
 from specjax.errors import UserError
 from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.decoder import Decoder, MTPModule
+from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
 from specjax.models.hf_config import config_from_hf, config_to_hf
 from specjax.models.tokenizer import CHAT_TEMPLATE_FILES, HFTokenizer
 
@@ -201,10 +202,59 @@ def _ignorable(name: str, cfg: ModelConfig) -> bool:
   return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
 
 
+class _Safetensors:
+  """A Hugging Face directory's tensors: names, shapes (headers only) and values by shard."""
+
+  def __init__(self, path: str):
+    self.path, self.files = path, _tensor_files(path)
+
+  def where(self) -> str:
+    return str(sorted({os.path.basename(f) for f in self.files.values()}))
+
+  def _by_file(self, names) -> dict[str, list[str]]:
+    by_file: dict[str, list[str]] = {}
+    for name in names:
+      by_file.setdefault(self.files[name], []).append(name)
+    return by_file
+
+  def shapes(self, names) -> dict[str, tuple[tuple[int, ...], str]]:
+    out = {}
+    for file, file_names in self._by_file(names).items():
+      with safe_open(file, framework="np") as f:
+        for name in file_names:
+          out[name] = (tuple(f.get_slice(name).get_shape()), file)
+    return out
+
+  def read(self, names):
+    for file, file_names in self._by_file(names).items():
+      with safe_open(file, framework="np") as f:
+        for name in file_names:
+          yield name, f.get_tensor(name)
+
+
+class _GGUF:
+  """A GGUF file's tensors as a Hugging Face checkpoint's (`gguf_import.GGUFCheckpoint`)."""
+
+  def __init__(self, ckpt):
+    self.ckpt, self.files = ckpt, ckpt.names
+
+  def where(self) -> str:
+    return self.ckpt.path
+
+  def shapes(self, names) -> dict[str, tuple[tuple[int, ...], str]]:
+    return {name: (self.ckpt.names[name], self.ckpt.path) for name in names}
+
+  def read(self, names):
+    for name in names:
+      yield name, self.ckpt.tensor(name)
+
+
 def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
                     device_put: Callable[[Array, tuple[str, ...]], jax.Array] | None = None,
                     seed: int = 0, **overrides) -> Decoder:
-  """The Decoder of a local Hugging Face directory (config.json + safetensors shards).
+  """The Decoder of a local Hugging Face directory (config.json + safetensors shards) or of a
+  GGUF file (`path` ending in .gguf; a Llama-architecture model, its tensors dequantized to
+  float32 by the `gguf` package: `specjax.models.gguf_import`).
 
   `dtype` is the compute dtype, `param_dtype` (default: `dtype`) the stored one. The model is built
   abstractly (nnx.eval_shape) and every parameter is set once from the checkpoint, so no random
@@ -215,8 +265,15 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
   freshly initialised from `seed` with a warning saying so. With mtp=False any MTP weights are
   left unread. The tokenizer is separate: `load_tokenizer(path)`.
   """
-  cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
-  files = _tensor_files(path)
+  if gguf_path(path):
+    ckpt = GGUFCheckpoint(path)
+    source = _GGUF(ckpt)
+    cfg = config_from_hf(ckpt.config, source=f"{path} (its GGUF metadata)", dtype=dtype,
+                         param_dtype=param_dtype or dtype, **overrides)
+  else:
+    cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
+    source = _Safetensors(path)
+  files = source.files
   specs = tensor_specs(cfg)
   layout = detect_mtp_layout(files, cfg) if cfg.mtp else None
   if layout is not None:
@@ -228,8 +285,7 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
                   f"initialised from seed {seed}")
   missing = [s.name for s in specs if s.name not in files]
   if missing:
-    shards = sorted({os.path.basename(f) for f in files.values()})
-    raise UserError(f"{path}: tensor {missing[0]!r} not found in {shards}"
+    raise UserError(f"{path}: tensor {missing[0]!r} not found in {source.where()}"
                     + (f" ({len(missing) - 1} more missing)" if len(missing) > 1 else ""))
   expected = {s.name for s in specs}
   unexpected = sorted(n for n in files if n not in expected and not _ignorable(n, cfg)
@@ -238,16 +294,12 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
     raise UserError(f"{path}: tensors with no place in the {cfg.num_layers}-layer decoder: "
                     f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
 
-  by_file: dict[str, list[TensorSpec]] = {}
-  for s in specs:
-    by_file.setdefault(files[s.name], []).append(s)
-  for file, file_specs in by_file.items():  # headers only: fail before reading any weight
-    with safe_open(file, framework="np") as f:
-      for s in file_specs:
-        shape = tuple(f.get_slice(s.name).get_shape())
-        if shape != s.shape:
-          raise UserError(f"{file}: tensor {s.name!r} has shape {shape}, expected {s.shape} "
-                          "from config.json")
+  by_name = {s.name: s for s in specs}
+  config_file = "its metadata" if gguf_path(path) else "config.json"
+  for name, (shape, file) in source.shapes(by_name).items():  # headers: before any weight is read
+    if shape != by_name[name].shape:
+      raise UserError(f"{file}: tensor {name!r} has shape {shape}, expected "
+                      f"{by_name[name].shape} from {config_file}")
 
   model = nnx.eval_shape(lambda: Decoder(cfg, rngs=nnx.Rngs(seed)))
   put = device_put or (lambda x, axes: jnp.asarray(x))
@@ -255,12 +307,11 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
     fresh = MTPModule(cfg, rngs=nnx.Rngs(seed))
     for p, var in nnx.to_flat_state(nnx.state(fresh)):
       _variable(model.mtp, p).set_value(put(np.asarray(var.get_value()), var.logical_axes))
-  for file, file_specs in by_file.items():
-    with safe_open(file, framework="np") as f:
-      for s in file_specs:
-        var = _variable(model, s.path)
-        value = np.ascontiguousarray(s.to_ours(f.get_tensor(s.name))).astype(var.get_value().dtype, copy=False)
-        var.set_value(put(value, var.logical_axes))
+  for name, tensor in source.read(by_name):
+    s = by_name[name]
+    var = _variable(model, s.path)
+    value = np.ascontiguousarray(s.to_ours(tensor)).astype(var.get_value().dtype, copy=False)
+    var.set_value(put(value, var.logical_axes))
   for p, var in nnx.to_flat_state(nnx.state(model)):
     if isinstance(var.get_value(), jax.ShapeDtypeStruct):  # the layout table missed a parameter
       raise RuntimeError(f"load_pretrained: parameter {p} has no Hugging Face tensor")

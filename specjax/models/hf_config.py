@@ -55,10 +55,12 @@ def _number(hf: dict, key: str, kind: type, source: str, default=None):
   return kind(value)
 
 
-def config_from_hf(path_or_dict, **overrides) -> ModelConfig:
-  """ModelConfig of a Qwen3 or Llama checkpoint: a directory, its config.json, or the parsed dict.
-  `overrides` replace ModelConfig fields (dtype, param_dtype, aux_layers, mtp, ...)."""
-  hf, source = _read_config(path_or_dict)
+def config_from_hf(path_or_dict, *, source: str | None = None, **overrides) -> ModelConfig:
+  """ModelConfig of a Qwen3 or Llama checkpoint: a directory, its config.json, or the parsed dict
+  (`source`: what errors name for a dict). `overrides` replace ModelConfig fields (dtype,
+  param_dtype, aux_layers, mtp, ...)."""
+  hf, read_from = _read_config(path_or_dict)
+  source = source or read_from
   archs = hf.get("architectures") or []
   arch = archs[0] if archs else MODEL_TYPES.get(hf.get("model_type"), (None,))[0]
   if arch not in ARCHITECTURES:

@@ -151,8 +151,26 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str, chat_template: str | None = None):
+    """`path`: a tokenizer directory (or its tokenizer.json), or a GGUF file (its vocabulary,
+    special token ids and chat template, `specjax.models.gguf_import`)."""
     from tokenizers import Tokenizer
 
+    from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
+
+    if gguf_path(path):
+      gguf = GGUFCheckpoint(path)
+      self._tok = Tokenizer.from_str(gguf.tokenizer_json())
+      self.path = path
+      if chat_template is None:
+        template = gguf.chat_template
+        self.chat_template, self.chat_template_source = template, path if template else None
+      else:
+        self.chat_template, self.chat_template_source = resolve_chat_template(path, chat_template)
+      ids = gguf.special_ids()
+      self.eos_ids = (ids["eos"],) if "eos" in ids else ()
+      self.pad_id = ids.get("padding", self.eos_ids[0] if self.eos_ids else 0)
+      self.bos_id = ids.get("bos")
+      return
     file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
     if not os.path.isfile(file):
       raise UserError(f"tokenizer: {file} does not exist")
