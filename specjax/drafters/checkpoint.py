@@ -211,11 +211,12 @@ def _canonical(name: str) -> str:
 
 
 def _read_tensors(path: str) -> dict[str, np.ndarray]:
-  from specjax.models.hf import _tensor_files
   from safetensors import safe_open
 
+  from specjax.models.tensor_sources import tensor_files
+
   out = {}
-  for name, file in _tensor_files(path).items():
+  for name, file in tensor_files(path).items():
     with safe_open(file, framework="np") as f:
       out[_canonical(name)] = f.get_tensor(name)
   return out

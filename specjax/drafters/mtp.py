@@ -146,9 +146,10 @@ class MtpMethod(DraftMethodBase):
 def checkpoint_has_mtp(path: str, cfg: ModelConfig) -> bool:
   """Whether the Hugging Face directory `path` ships MTP weights (any layout `load_pretrained`
   reads) for a decoder of config `cfg`."""
-  from specjax.models.hf import _tensor_files, detect_mtp_layout
+  from specjax.models.hf import detect_mtp_layout
+  from specjax.models.tensor_sources import tensor_files
 
-  return detect_mtp_layout(_tensor_files(path), cfg) is not None
+  return detect_mtp_layout(tensor_files(path), cfg) is not None
 
 
 def _mtp_online_loss(x: DraftLossInputs):

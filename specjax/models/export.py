@@ -16,8 +16,8 @@ from typing import Callable
 from specjax.models.config import DTYPES
 from specjax.models.decoder import Decoder
 from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
-from specjax.models.hf import (_tensor_files, config_from_hf, config_to_hf, detect_mtp_layout,
-                               save_pretrained)
+from specjax.models.hf import config_from_hf, config_to_hf, detect_mtp_layout, save_pretrained
+from specjax.models.tensor_sources import tensor_files
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                 "mlp_hidden", "qk_norm", "tie_embeddings")
@@ -77,7 +77,7 @@ def export_hf(model: Decoder, out_dir: str, source_dir: str | None = None,
                      "pass dtype=")
   keys = [k for k in DTYPE_KEYS if k in config] or ["torch_dtype"]
   config.update({k: dtype for k in keys})
-  source_layout = detect_mtp_layout(_tensor_files(source_dir), model.cfg) if source_dir else None
+  source_layout = detect_mtp_layout(tensor_files(source_dir), model.cfg) if source_dir else None
   if model.mtp is not None:
     mtp_layout = mtp_layout or source_layout or "deepseek"
     if mtp_layout in ("deepseek", "mimo"):

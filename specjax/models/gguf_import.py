@@ -89,9 +89,10 @@ class GGUFCheckpoint:
     self.names = self._names()
 
   def _quantized_types(self):
-    from gguf import quants
-
-    return getattr(quants, "_type_traits", {}).keys()
+    """The quantized types this `gguf` version dequantizes (its table of them; a version without
+    that table: every type it knows, and `tensor` names a type it then cannot read)."""
+    traits = getattr(self._gguf.quants, "_type_traits", None)
+    return traits.keys() if traits is not None else self._gguf.GGML_QUANT_SIZES.keys()
 
   def _field(self, key: str, default: Any = None) -> Any:
     field = self.meta.get(key)
@@ -145,7 +146,11 @@ class GGUFCheckpoint:
     if t.tensor_type.name in FLOAT_TYPES:
       w = np.asarray(t.data).astype(np.float32)
     else:
-      w = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+      try:
+        w = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+      except NotImplementedError:
+        raise UserError(f"{self.path}: tensor {name!r} has type {t.tensor_type.name}, which this "
+                        f"version of the gguf package does not dequantize") from None
     w = w.reshape(self.names[hf_name])
     if name.endswith("attn_q.weight"):
       w = _unpermute(w, self.config["num_attention_heads"])

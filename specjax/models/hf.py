@@ -24,9 +24,9 @@ from specjax.models.config import DTYPES, ModelConfig
 from specjax.models.decoder import Decoder, MTPModule
 from specjax.models.gguf_import import GGUFCheckpoint, gguf_path
 from specjax.models.hf_config import config_from_hf, config_to_hf
+from specjax.models.tensor_sources import INDEX_FILE, GGUFTensors, SafetensorsDir
 from specjax.models.tokenizer import CHAT_TEMPLATE_FILES, HFTokenizer
 
-INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "added_tokens.json") + CHAT_TEMPLATE_FILES[:2]
@@ -170,83 +170,9 @@ def _variable(model: Decoder, path) -> nnx.Variable:
 
 # -- loading --------------------------------------------------------------------------------------
 
-def _tensor_files(path: str) -> dict[str, str]:
-  """Tensor name -> shard file: from model.safetensors.index.json, else from every *.safetensors."""
-  index = os.path.join(path, INDEX_FILE)
-  if os.path.exists(index):
-    try:
-      with open(index, encoding="utf-8") as f:
-        weight_map = json.load(f)["weight_map"]
-    except (ValueError, UnicodeDecodeError, KeyError, TypeError) as e:
-      raise UserError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
-    for file in sorted(set(weight_map.values())):
-      if not os.path.exists(os.path.join(path, file)):
-        raise UserError(f"{index} names the shard {file}, which does not exist in {path}")
-    return {name: os.path.join(path, file) for name, file in weight_map.items()}
-  files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-  if not files:
-    raise UserError(f"Hugging Face import: no *.safetensors file in {path}")
-  names = {}
-  for file in files:
-    try:
-      with safe_open(os.path.join(path, file), framework="np") as f:
-        names.update({name: os.path.join(path, file) for name in f.keys()})
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-      raise UserError(f"{os.path.join(path, file)}: damaged safetensors file "
-                      f"({type(e).__name__}: {e})") from None
-  return names
-
-
 def _ignorable(name: str, cfg: ModelConfig) -> bool:
   # Old Llama exports carry RoPE buffers; tied checkpoints sometimes keep a copy of the embedding.
   return name.endswith("rotary_emb.inv_freq") or (cfg.tie_embeddings and name == "lm_head.weight")
-
-
-class _Safetensors:
-  """A Hugging Face directory's tensors: names, shapes (headers only) and values by shard."""
-
-  def __init__(self, path: str):
-    self.path, self.files = path, _tensor_files(path)
-
-  def where(self) -> str:
-    return str(sorted({os.path.basename(f) for f in self.files.values()}))
-
-  def _by_file(self, names) -> dict[str, list[str]]:
-    by_file: dict[str, list[str]] = {}
-    for name in names:
-      by_file.setdefault(self.files[name], []).append(name)
-    return by_file
-
-  def shapes(self, names) -> dict[str, tuple[tuple[int, ...], str]]:
-    out = {}
-    for file, file_names in self._by_file(names).items():
-      with safe_open(file, framework="np") as f:
-        for name in file_names:
-          out[name] = (tuple(f.get_slice(name).get_shape()), file)
-    return out
-
-  def read(self, names):
-    for file, file_names in self._by_file(names).items():
-      with safe_open(file, framework="np") as f:
-        for name in file_names:
-          yield name, f.get_tensor(name)
-
-
-class _GGUF:
-  """A GGUF file's tensors as a Hugging Face checkpoint's (`gguf_import.GGUFCheckpoint`)."""
-
-  def __init__(self, ckpt):
-    self.ckpt, self.files = ckpt, ckpt.names
-
-  def where(self) -> str:
-    return self.ckpt.path
-
-  def shapes(self, names) -> dict[str, tuple[tuple[int, ...], str]]:
-    return {name: (self.ckpt.names[name], self.ckpt.path) for name in names}
-
-  def read(self, names):
-    for name in names:
-      yield name, self.ckpt.tensor(name)
 
 
 def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | None = None,
@@ -267,12 +193,12 @@ def load_pretrained(path: str, *, dtype: str = "float32", param_dtype: str | Non
   """
   if gguf_path(path):
     ckpt = GGUFCheckpoint(path)
-    source = _GGUF(ckpt)
+    source = GGUFTensors(ckpt)
     cfg = config_from_hf(ckpt.config, source=f"{path} (its GGUF metadata)", dtype=dtype,
                          param_dtype=param_dtype or dtype, **overrides)
   else:
     cfg = config_from_hf(path, dtype=dtype, param_dtype=param_dtype or dtype, **overrides)
-    source = _Safetensors(path)
+    source = SafetensorsDir(path)
   files = source.files
   specs = tensor_specs(cfg)
   layout = detect_mtp_layout(files, cfg) if cfg.mtp else None

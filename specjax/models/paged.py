@@ -2,9 +2,10 @@
 
 A row holds pages for the tokens it has instead of a dense max-length buffer. Token position p of
 row b lives in page `page_table[b, p // page_size]`, slot `p % page_size`. Which page goes to which
-row is decided on the host (`specjax.sampling.page_allocator.PageAllocator`); this module is the device
-side: the pool, its sharding, and writes through the page table. Attention over a row's pages (a
-pure-JAX reference, a chunked path and a Pallas kernel) is `specjax.models.paged_attention`.
+row is decided on the host (`specjax.sampling.page_allocator.PageAllocator`); this module is the
+device side: the pool, its sharding, and writes through the page table. Attention over a row's
+pages (a pure-JAX reference, a chunked path and a Pallas kernel) is
+`specjax.models.paged_attention`.
 
 Layout: keys and values are separate pools, each [L, Hkv, num_pages, page_size, Dh] (one leading
 layer axis, so a scan over layers carries one array and indexes it with `layer`). Head-major pages

@@ -13,12 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from specjax.config_tree import refuse
-
-
-def _check(ok: bool, where: str, msg: str) -> None:
-  if not ok:
-    refuse(f"EngineConfig.{where}: {msg}")
+from specjax.config_tree import check
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,10 +38,10 @@ class QueueConfig:
   share_prefill: bool = True
 
   def __post_init__(self):
-    _check(self.max_rows >= 0, "queue.max_rows",
-           f"must be >= 0 (0: every row at once), got {self.max_rows}")
-    _check(0 < self.refill_fraction <= 1, "queue.refill_fraction",
-           f"must be in (0, 1], got {self.refill_fraction}")
+    check(self.max_rows >= 0, "EngineConfig.queue.max_rows",
+          f"must be >= 0 (0: every row at once), got {self.max_rows}")
+    check(0 < self.refill_fraction <= 1, "EngineConfig.queue.refill_fraction",
+          f"must be in (0, 1], got {self.refill_fraction}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,15 +61,17 @@ class PagingConfig:
   kernel_warps: int = 0
 
   def __post_init__(self):
-    _check(self.kv_cache_gb >= 0, "paging.kv_cache_gb",
-           f"must be >= 0 (0: dense caches), got {self.kv_cache_gb}")
-    _check(self.page_size >= 1, "paging.page_size", f"must be >= 1, got {self.page_size}")
-    _check(self.page_ahead >= 1, "paging.page_ahead", f"must be >= 1, got {self.page_ahead}")
-    _check(self.kernel_pages >= 0 and not self.kernel_pages & (self.kernel_pages - 1),
-           "paging.kernel_pages",
-           f"must be a power of two (0: the kernel's default), got {self.kernel_pages}")
-    _check(self.kernel_warps >= 0, "paging.kernel_warps",
-           f"must be >= 0 (0: the kernel's default), got {self.kernel_warps}")
+    check(self.kv_cache_gb >= 0, "EngineConfig.paging.kv_cache_gb",
+          f"must be >= 0 (0: dense caches), got {self.kv_cache_gb}")
+    check(self.page_size >= 1, "EngineConfig.paging.page_size",
+          f"must be >= 1, got {self.page_size}")
+    check(self.page_ahead >= 1, "EngineConfig.paging.page_ahead",
+          f"must be >= 1, got {self.page_ahead}")
+    check(self.kernel_pages >= 0 and not self.kernel_pages & (self.kernel_pages - 1),
+          "EngineConfig.paging.kernel_pages",
+          f"must be a power of two (0: the kernel's default), got {self.kernel_pages}")
+    check(self.kernel_warps >= 0, "EngineConfig.paging.kernel_warps",
+          f"must be >= 0 (0: the kernel's default), got {self.kernel_warps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +88,12 @@ class BucketConfig:
   window_block: int = 0
 
   def __post_init__(self):
-    _check(self.min_bucket >= 1, "buckets.min_bucket", f"must be >= 1, got {self.min_bucket}")
-    _check(self.max_buckets >= 1, "buckets.max_buckets", f"must be >= 1, got {self.max_buckets}")
-    _check(self.window_block >= 0, "buckets.window_block",
-           f"must be >= 0, got {self.window_block}")
+    check(self.min_bucket >= 1, "EngineConfig.buckets.min_bucket",
+          f"must be >= 1, got {self.min_bucket}")
+    check(self.max_buckets >= 1, "EngineConfig.buckets.max_buckets",
+          f"must be >= 1, got {self.max_buckets}")
+    check(self.window_block >= 0, "EngineConfig.buckets.window_block",
+          f"must be >= 0, got {self.window_block}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,24 +119,24 @@ class AdaptiveConfig:
   min_gain: float = 0.05
 
   def __post_init__(self):
-    w = "adaptive"
-    _check(self.max_draft_len >= 0, f"{w}.max_draft_len",
-           f"must be >= 0 (0: the drafter's draft_len), got {self.max_draft_len}")
-    _check(all(k >= 1 for k in self.draft_lens), f"{w}.draft_lens",
-           f"must be K >= 1 (0 and the largest K are always choices), got {self.draft_lens}")
-    _check(self.probe_iters >= 1, f"{w}.probe_iters", f"must be >= 1, got {self.probe_iters}")
-    _check(self.probe_drafts >= 0, f"{w}.probe_drafts", f"must be >= 0, got {self.probe_drafts}")
-    _check(self.first_segment_iters >= 1, f"{w}.first_segment_iters",
-           f"must be >= 1, got {self.first_segment_iters}")
-    _check(self.max_segment_iters >= self.first_segment_iters, f"{w}.max_segment_iters",
-           f"must be >= first_segment_iters={self.first_segment_iters}, "
-           f"got {self.max_segment_iters}")
-    _check(0 <= self.estimate_decay <= 1, f"{w}.estimate_decay",
-           f"must be in [0, 1], got {self.estimate_decay}")
-    _check(0 < self.prior_acceptance < 1, f"{w}.prior_acceptance",
-           f"must be in (0, 1), got {self.prior_acceptance}")
-    _check(self.prior_weight > 0, f"{w}.prior_weight", f"must be > 0, got {self.prior_weight}")
-    _check(self.min_gain >= 0, f"{w}.min_gain", f"must be >= 0, got {self.min_gain}")
+    w = "EngineConfig.adaptive"
+    check(self.max_draft_len >= 0, f"{w}.max_draft_len",
+          f"must be >= 0 (0: the drafter's draft_len), got {self.max_draft_len}")
+    check(all(k >= 1 for k in self.draft_lens), f"{w}.draft_lens",
+          f"must be K >= 1 (0 and the largest K are always choices), got {self.draft_lens}")
+    check(self.probe_iters >= 1, f"{w}.probe_iters", f"must be >= 1, got {self.probe_iters}")
+    check(self.probe_drafts >= 0, f"{w}.probe_drafts", f"must be >= 0, got {self.probe_drafts}")
+    check(self.first_segment_iters >= 1, f"{w}.first_segment_iters",
+          f"must be >= 1, got {self.first_segment_iters}")
+    check(self.max_segment_iters >= self.first_segment_iters, f"{w}.max_segment_iters",
+          f"must be >= first_segment_iters={self.first_segment_iters}, "
+          f"got {self.max_segment_iters}")
+    check(0 <= self.estimate_decay <= 1, f"{w}.estimate_decay",
+          f"must be in [0, 1], got {self.estimate_decay}")
+    check(0 < self.prior_acceptance < 1, f"{w}.prior_acceptance",
+          f"must be in (0, 1), got {self.prior_acceptance}")
+    check(self.prior_weight > 0, f"{w}.prior_weight", f"must be > 0, got {self.prior_weight}")
+    check(self.min_gain >= 0, f"{w}.min_gain", f"must be >= 0, got {self.min_gain}")
 
   def k_choices(self, k_max: int) -> tuple[int, ...]:
     """The K adaptivity chooses from when the largest is k_max: 0, `draft_lens` below k_max
@@ -170,15 +169,15 @@ class CalibrationConfig:
   recheck_steps: int = 32
 
   def __post_init__(self):
-    w = "calibration"
-    _check(self.iters >= 1, f"{w}.iters", f"must be >= 1, got {self.iters}")
-    _check(self.repeats >= 1, f"{w}.repeats", f"must be >= 1, got {self.repeats}")
-    _check(self.cost_memory >= 0, f"{w}.cost_memory",
-           f"must be >= 0 (0: no refinement), got {self.cost_memory}")
-    _check(self.recheck_cached_costs == 0 or self.recheck_cached_costs > 1,
-           f"{w}.recheck_cached_costs",
-           f"must be 0 (never) or > 1, got {self.recheck_cached_costs}")
-    _check(self.recheck_steps >= 1, f"{w}.recheck_steps", f"must be >= 1, got {self.recheck_steps}")
+    w = "EngineConfig.calibration"
+    check(self.iters >= 1, f"{w}.iters", f"must be >= 1, got {self.iters}")
+    check(self.repeats >= 1, f"{w}.repeats", f"must be >= 1, got {self.repeats}")
+    check(self.cost_memory >= 0, f"{w}.cost_memory",
+          f"must be >= 0 (0: no refinement), got {self.cost_memory}")
+    check(self.recheck_cached_costs == 0 or self.recheck_cached_costs > 1,
+          f"{w}.recheck_cached_costs",
+          f"must be 0 (never) or > 1, got {self.recheck_cached_costs}")
+    check(self.recheck_steps >= 1, f"{w}.recheck_steps", f"must be >= 1, got {self.recheck_steps}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +192,7 @@ class CompileConfig:
   threads: int = 0  # programs compiled at once at startup (0: one per core, at most 4)
 
   def __post_init__(self):
-    _check(self.threads >= 0, "compile.threads", f"must be >= 0, got {self.threads}")
+    check(self.threads >= 0, "EngineConfig.compile.threads", f"must be >= 0, got {self.threads}")
 
 
 @dataclasses.dataclass(frozen=True)
