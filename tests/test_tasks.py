@@ -299,3 +299,48 @@ def test_a_prompt_pool_is_revisited_every_epoch_in_a_fresh_order():
   # without a pool, RL reads the stream; the pool never changes the task's own stream
   assert [e.prompt for e in stream.train_examples(5, 5)] == \
       [e.prompt for e in stream.examples(5, 5)] == [e.prompt for e in pooled.examples(5, 5)]
+
+
+def _story_value(question: str) -> int:
+  """The answer of a generated word problem, recomputed from its text."""
+  import re
+
+  value = None
+  for sentence in question.split(". "):
+    nums = [int(x) for x in re.findall(r"\d+", sentence)]
+    if " has " in sentence and value is None:
+      value = nums[0]
+    elif "buys" in sentence:
+      value += nums[0]
+    elif "gives" in sentence:
+      value -= nums[0]
+    elif "times as many" in sentence:
+      value *= nums[0]
+  return value
+
+
+def test_word_problems_are_deterministic_stories_whose_answer_is_their_arithmetic(tmp_path):
+  from specjax.rl.tasks.math_data import load_math_dataset
+  from specjax.rl.tasks.word_problems import WordProblemTask, write_jsonl
+
+  cfg = TaskConfig(name="word_problems", operands=3, digits=2, operators="+-*")
+  task = make_task(cfg, CharTokenizer())
+  assert isinstance(task, WordProblemTask)
+  train, val = task.examples(0, 200), task.validation(50)
+  assert [e.prompt for e in train] == [e.prompt for e in task.examples(0, 200)]
+  assert not {e.prompt for e in train} & {e.prompt for e in val}
+  for e in train + val:
+    question = e.meta["question"]
+    assert question in e.prompt and "####" in e.prompt
+    assert question.count(". ") == 2 + 1  # the start, two steps, then the question
+    assert int(e.answer) == _story_value(question) > 0
+  assert {"buys", "gives", "times"} <= {w for e in train for w in e.meta["question"].split()}
+  ex = train[0]
+  assert task.score(f"So the answer is\n#### {ex.answer}", ex) == Score(1.0, True)
+  assert not task.score(f"#### {int(ex.answer) + 1}", ex).correct
+  # the same problems as GSM8K rows, for the math dataset task or another engine
+  path = write_jsonl(str(tmp_path / "wp.jsonl"), cfg, 0, 20)
+  rows = load_math_dataset(path, "gsm8k")
+  assert [r.answer for r in rows] == [e.answer for e in train[:20]]
+  with pytest.raises(FileExistsError):
+    write_jsonl(path, cfg, 0, 20)

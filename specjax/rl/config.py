@@ -183,7 +183,7 @@ class TrainConfig:
 @dataclasses.dataclass(frozen=True)
 class TaskConfig:
   name: str = "arithmetic"  # a key of specjax.rl.tasks.TASKS
-  # arithmetic
+  # arithmetic; word_problems: operands - 1 steps over quantities of at most `digits` digits
   digits: int = 1
   operands: int = 2
   operators: str = "+"

@@ -127,6 +127,11 @@ def _math(fmt):
   return build
 
 
+def _word_problems(cfg, tok):
+  from specjax.rl.tasks.word_problems import WordProblemTask
+  return WordProblemTask(cfg, tok)
+
+
 def _reasoning_gym(cfg, tok):
   from specjax.rl.tasks.reasoning_gym import ReasoningGymTask
   return ReasoningGymTask(cfg, tok)
@@ -140,6 +145,7 @@ TASKS: dict[str, Callable[[TaskConfig, Any], Task]] = {
     "gsm8k": _math("gsm8k"),
     "dapo": _math("dapo"),
     "reasoning_gym": _reasoning_gym,
+    "word_problems": _word_problems,
 }
 
 
