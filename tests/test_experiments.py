@@ -149,6 +149,13 @@ def test_speedups_skip_steps_that_compiled_in_either_run():
     for r, n in zip(records, rows):
       r["train/packed_rows"] = float(n)
   assert paired_speedups(ar, spec)["train_rows_ratio"] == 1.5  # over step 2 only
+  # the spec run's completions grew shorter: half the time for a quarter of the tokens is half
+  # AR's tokens/s
+  for records, tokens in ((ar, [50, 400, 400, 400]), (spec, [50, 100, 100, 100])):
+    for r, n in zip(records, tokens):
+      r["gen/tokens"] = float(n)
+  out = paired_speedups(ar, spec)
+  assert out["gen_tokens_ratio"] == 0.25 and out["rollout_tokens_per_s_speedup"] == 0.5
 
 
 def test_seed_summary_reports_mean_spread_and_an_exact_paired_test():
@@ -258,3 +265,25 @@ def test_a_report_whose_arms_differ_points_to_the_comparison_over_seeds():
   assert "DIFFER at alpha 0.05" in differ and "rl_zero_seeds.py" in differ, differ
   (agree,) = format_table(summary(True)).splitlines()[1:]
   assert agree.endswith("(agree at alpha 0.05)"), agree
+
+
+@pytest.mark.slow
+def test_rl_real_runs_both_arms_on_a_gguf_file_with_word_problems(tmp_path):
+  """experiments/rl_real.py's path on a tiny GGUF file the tests write (the real model's run is
+  the same command without --model-path)."""
+  import rl_real
+  from flax import nnx
+  from test_gguf import CFG, write_gguf
+  from specjax.models import Decoder
+
+  path = tmp_path / "tiny.gguf"
+  write_gguf(path, Decoder(CFG, rngs=nnx.Rngs(0)))
+  summary = rl_real.main([
+      "--model-path", str(path), "--out-dir", str(tmp_path / "runs"),
+      "--cache-dir", str(tmp_path / "cache"), "--rl.steps", "1", "--rl.prompts-per-step", "2",
+      "--rl.grpo.group-size", "2", "--rl.rollout.max-new-tokens", "6",
+      "--rl.rollout.max-prompt-len", "256", "--rl.validation.every", "0", "--rl.no-progress",
+      "--rl.no-tensorboard", "--rl.rollout.engine.buckets.min-bucket", "4"])
+  assert set(summary["runs"]) == {"ar", "spec"}
+  assert summary["runs"]["spec"]["acceptance_length"]
+  assert (tmp_path / "runs" / "rl_real" / "summary.json").exists()

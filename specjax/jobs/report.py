@@ -191,7 +191,9 @@ def scaled_projection(cfg: Any, results: dict[str, dict], stats: dict[str, dict]
 
 def paired_speedups(ar_records: list[dict], spec_records: list[dict]) -> dict[str, Any]:
   """rollout_speedup and step_speedup over the steps that compiled in neither run: both runs
-  then time the same steps (same prompts), and a compile in one run does not count against it."""
+  then time the same steps (same prompts), and a compile in one run does not count against it;
+  with the runs' generated tokens logged, their ratio over those steps (spec / AR) and the
+  rollout speedup in tokens/s."""
   def by_step(records):
     steps = [r for r in records if "time/step" in r]
     return {r["step"]: (r, c) for r, c in zip(steps, compile_mask(steps))}
@@ -209,6 +211,11 @@ def paired_speedups(ar_records: list[dict], spec_records: list[dict]) -> dict[st
   out = {"rollout_speedup": total(ar, "time/gen") / max(total(sp, "time/gen"), 1e-12),
          "step_speedup": total(ar, "time/step") / max(total(sp, "time/step"), 1e-12),
          "speedup_steps": common}
+  if total(ar, "gen/tokens") > 0 and total(sp, "gen/tokens") > 0:
+    # the two runs are two policies: when their completions grow apart in length, the time
+    # ratio above measures that, not the drafts; tokens/s over the same steps does not
+    out["gen_tokens_ratio"] = total(sp, "gen/tokens") / total(ar, "gen/tokens")
+    out["rollout_tokens_per_s_speedup"] = out["rollout_speedup"] * out["gen_tokens_ratio"]
   if total(ar, "train/packed_rows") > 0:
     # each run trains on its own rollouts: with zero-advantage sequences left out, the train
     # work differs between the runs by chance, and the step speedup with it
@@ -277,6 +284,11 @@ def format_table(summary: dict[str, Any]) -> str:
     lines.append(f"rollout speedup {summary['rollout_speedup']:.2f}x, "
                  f"step speedup {summary['step_speedup']:.2f}x" +
                  (f" (spec trained on {rows:.2f}x AR's packed rows)" if rows else ""))
+    if "gen_tokens_ratio" in summary:
+      lines.append(f"rollout tokens/s: spec {summary['rollout_tokens_per_s_speedup']:.2f}x AR's "
+                   f"(spec generated {summary['gen_tokens_ratio']:.2f}x AR's tokens over the same "
+                   f"steps; where that is far from 1 the runs' completions grew apart and the "
+                   f"time ratios above are the policies', not the drafts')")
   for label, s in runs.items():
     epochs = s.get("by_epoch") or {}
     if epochs:
