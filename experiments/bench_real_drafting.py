@@ -48,7 +48,7 @@ from bench_io import write_json  # noqa: E402
 from specjax.config_tree import apply_cli  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, HistoryParams,  # noqa: E402
                               HistoryStore, eagle3_drafter, truncated_copy, train_draft_head)
-from specjax.drafters.checkpoint import load_head, save_eagle3_hf  # noqa: E402
+from specjax.drafters.checkpoint import load_eagle3_hf, save_eagle3_hf  # noqa: E402
 from specjax.errors import UserError  # noqa: E402
 from specjax.jobs import run_main  # noqa: E402
 from specjax.models.hf import load_pretrained, load_tokenizer  # noqa: E402
@@ -126,7 +126,7 @@ def train_head(cfg: BenchConfig, model, task, tok, log):
   """(head, maps): loaded from --head, or trained on the model's completions of problems that
   are not among the held-out ones, then written to --head-out in vLLM's EAGLE-3 format."""
   if cfg.head:
-    return load_head(os.path.abspath(cfg.head), model.cfg)
+    return load_eagle3_hf(os.path.abspath(cfg.head), model.cfg)
   prompts, lengths = encode(task, task.examples(0, cfg.head_prompts), tok.pad_id)
   sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.head_temperature,
                             eos_ids=tuple(tok.eos_ids), pad_id=int(tok.pad_id))
@@ -182,6 +182,22 @@ def main(cfg: BenchConfig) -> dict:
     return drafter, fixed
 
   runs, ar = [], {}
+
+  def save(rows: list, ar_runs: dict, partial: bool) -> dict:
+    report = dict(config=dataclasses.asdict(cfg), model=dict(
+        gguf=os.path.basename(cfg.gguf), layers=model.cfg.num_layers,
+        hidden=model.cfg.hidden_size, vocab=model.cfg.vocab_size),
+        machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
+                     backend=jax.default_backend()),
+        ar=ar_runs, drafters={n: dict(runs=[r for r in rows if r["drafter"] == n])
+                              for n in cfg.drafters},
+        head_loss=None if head_history is None else
+        [head_history[0]["loss"], head_history[-1]["loss"]],
+        partial=partial, total_s=time.perf_counter() - start)
+    if cfg.out:
+      write_json(cfg.out, report)
+    return report
+
   for t_i, temp in enumerate(cfg.temperatures):
     sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=temp,
                               eos_ids=tuple(tok.eos_ids), pad_id=int(tok.pad_id))
@@ -223,6 +239,11 @@ def main(cfg: BenchConfig) -> dict:
         temp_runs.append(row)
         log(f"T={temp} {name} K={k}: acceptance length {m.acceptance_length:.2f}, "
             f"{row['tokens_per_s']:.1f} tokens/s (wall {row['wall_s']:.0f} s)")
+        # each (drafter, K) compiles its own programs of a 30-layer model: drop them, or a full
+        # run's memory grows until compiling fails; and keep what ran so far on disk
+        del out, drafter, params
+        jax.clear_caches()
+        save(runs + temp_runs, ar, partial=True)
     _, last_ar = run_ar()
     ar_rate = (first_ar["tokens_per_s"] + last_ar["tokens_per_s"]) / 2
     ar[str(temp)] = dict(first=first_ar, last=last_ar, tokens_per_s=ar_rate)
@@ -231,16 +252,7 @@ def main(cfg: BenchConfig) -> dict:
       row["speedup"] = row["tokens_per_s"] / ar_rate
       row["step_cost_vs_ar"] = row["ms_per_step"] / ar_step  # a verify step against an AR step
     runs += temp_runs
-  report = dict(config=dataclasses.asdict(cfg), model=dict(
-      gguf=os.path.basename(cfg.gguf), layers=model.cfg.num_layers,
-      hidden=model.cfg.hidden_size, vocab=model.cfg.vocab_size),
-      machine=dict(platform=platform.platform(), cpus=os.cpu_count(), jax=jax.__version__,
-                   backend=jax.default_backend()),
-      ar=ar, drafters={n: dict(runs=[r for r in runs if r["drafter"] == n])
-                       for n in cfg.drafters},
-      head_loss=None if head_history is None else
-      [head_history[0]["loss"], head_history[-1]["loss"]],
-      total_s=time.perf_counter() - start)
+  report = save(runs, ar, partial=False)
   print(format_tables(report))
   if cfg.out:
     write_json(cfg.out, report)
@@ -249,7 +261,7 @@ def main(cfg: BenchConfig) -> dict:
 
 
 def format_tables(report: dict) -> str:
-  rows = [r for d in report["drafters"].values() for r in d["runs"]]
+  rows = [r for d in report["drafters"].values() for r in d["runs"] if "speedup" in r]
   cols = sorted({(r["temperature"], r["draft_len"]) for r in rows})
   head = "| drafter | " + " | ".join(f"T={t} K={k}" for t, k in cols) + " |"
   rule = "|---|" + "---|" * len(cols)
