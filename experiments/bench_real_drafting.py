@@ -49,6 +49,7 @@ from specjax.config_tree import apply_cli  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, HistoryParams,  # noqa: E402
                               HistoryStore, eagle3_drafter, truncated_copy, train_draft_head)
 from specjax.drafters.checkpoint import load_eagle3_hf, save_eagle3_hf  # noqa: E402
+from specjax.drafters.history import history_drafter  # noqa: E402
 from specjax.errors import UserError  # noqa: E402
 from specjax.jobs import run_main  # noqa: E402
 from specjax.models.hf import load_pretrained, load_tokenizer  # noqa: E402
@@ -123,10 +124,10 @@ def timing(rollout, wall_s: float) -> dict:
 
 
 def train_head(cfg: BenchConfig, model, task, tok, log):
-  """(head, maps): loaded from --head, or trained on the model's completions of problems that
+  """(head, maps, training history or None): loaded from --head, or trained on the model's completions of problems that
   are not among the held-out ones, then written to --head-out in vLLM's EAGLE-3 format."""
   if cfg.head:
-    return load_eagle3_hf(os.path.abspath(cfg.head), model.cfg)
+    return (*load_eagle3_hf(os.path.abspath(cfg.head), model.cfg), None)
   prompts, lengths = encode(task, task.examples(0, cfg.head_prompts), tok.pad_id)
   sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.head_temperature,
                             eos_ids=tuple(tok.eos_ids), pad_id=int(tok.pad_id))
@@ -155,8 +156,7 @@ def main(cfg: BenchConfig) -> dict:
       f"{model.cfg.hidden_size}, vocabulary {model.cfg.vocab_size}")
   head_history = None
   if {"eagle3", "eagle3-history"} & set(cfg.drafters):
-    head, maps, *rest = train_head(cfg, model, task, tok, log)
-    head_history = rest[0] if rest else None
+    head, maps, head_history = train_head(cfg, model, task, tok, log)
   prompts, lengths = encode(task, task.validation(cfg.prompts), tok.pad_id, cfg.group)
   engine = RLConfig().rollout.engine.replace(adaptive=dict(enabled=False),
                                              buckets=dict(max_buckets=cfg.max_buckets))
@@ -164,19 +164,20 @@ def main(cfg: BenchConfig) -> dict:
       else None
 
   def make(name: str, k: int, history_table):
+    """(drafter, its params) of `name` at K = k."""
     if name == "self-draft":
       return DraftModelDrafter.from_model(self_draft, k)
     if name == "eagle3":
       return eagle3_drafter(head, model.embed[...], maps, draft_len=k)
     draft_cfg = DraftConfig(kind=name, draft_len=k)
-    drafter, fixed = draft_cfg.method.build_drafter(
-        draft_cfg, policy_graphdef=split[0], policy_cfg=model.cfg, draft=None,
-        group_size=cfg.group) if name != "eagle3-history" else (None, None)
-    if name == "eagle3-history":
-      from specjax.drafters.history import history_drafter
+    if name == "eagle3-history":  # the history drafter with the head inside (fixed params)
       inner, inner_params = eagle3_drafter(head, model.embed[...], maps, draft_len=k)
-      drafter = history_drafter(draft_cfg, vocab_size=model.cfg.vocab_size, inner=inner)
-      fixed = inner_params
+      drafter, fixed = history_drafter(draft_cfg, vocab_size=model.cfg.vocab_size,
+                                       inner=inner), inner_params
+    else:
+      drafter, fixed = draft_cfg.method.build_drafter(
+          draft_cfg, policy_graphdef=split[0], policy_cfg=model.cfg, draft=None,
+          group_size=cfg.group)
     if name in ("history", "eagle3-history"):
       fixed = HistoryParams(table=history_table, inner=fixed)
     return drafter, fixed

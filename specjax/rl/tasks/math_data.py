@@ -162,7 +162,25 @@ def chat_template_of(tokenizer) -> str | None:
   return require() if require is not None else getattr(tokenizer, "chat_template", None)
 
 
-class MathDatasetTask(Task):
+class ChatMathTask(Task):
+  """What the math tasks share: prompts rendered with `self.template` (set by the subclass; None:
+  no chat template, a BOS added when the tokenizer has one) and answers scored by math-verify,
+  plus TaskConfig.format_reward for a findable final answer."""
+
+  template: str | None = None
+
+  def encode_prompt(self, example: Example) -> list[int]:
+    # a chat template writes its own BOS (when the model has one)
+    return self.tokenizer.encode(example.prompt, bos=self.template is None and
+                                 getattr(self.tokenizer, "bos_id", None) is not None)
+
+  def score(self, completion: str, example: Example) -> Score:
+    correct = math_verify_reward(completion, example.answer, self.cfg.reward_timeout_s) > 0
+    bonus = self.cfg.format_reward * float(extract_answer(completion) is not None)
+    return Score(reward=float(correct) + bonus, correct=correct)
+
+
+class MathDatasetTask(ChatMathTask):
   """Rows of `cfg.path` in a fresh random order every epoch; validation from `cfg.val_path` or,
   without one, the last `cfg.val_size` rows held out of training."""
 
@@ -193,13 +211,3 @@ class MathDatasetTask(Task):
 
   def validation(self, n: int) -> list[Example]:
     return [self._example(r) for r in self.val_rows[:n]]
-
-  def encode_prompt(self, example: Example) -> list[int]:
-    # a chat template writes its own BOS (when the model has one)
-    return self.tokenizer.encode(example.prompt, bos=self.template is None and
-                                 getattr(self.tokenizer, "bos_id", None) is not None)
-
-  def score(self, completion: str, example: Example) -> Score:
-    correct = math_verify_reward(completion, example.answer, self.cfg.reward_timeout_s) > 0
-    bonus = self.cfg.format_reward * float(extract_answer(completion) is not None)
-    return Score(reward=float(correct) + bonus, correct=correct)

@@ -3,7 +3,8 @@ many pencils does she have now?" answered 12, in the GSM8K style, through the to
 template, scored like the math datasets (`math-verify` on the completion's final answer).
 
 A problem is a story of `TaskConfig.operands - 1` steps over one kind of object, each step adding,
-removing or multiplying (`TaskConfig.operators`, "+-*": buys / gives away / each of ... holds), with
+removing or multiplying (`TaskConfig.operators`, "+-*": buys / gives to a friend / ends up with
+N times as many), with
 quantities of at most `TaskConfig.digits` digits; answers stay positive. The stream is endless and
 deterministic (`TaskConfig.seed`); validation problems come from a separate random stream.
 `write_jsonl` writes any range of them as GSM8K rows (`question`, `answer` "... #### 12") for the
@@ -18,9 +19,8 @@ import os
 import numpy as np
 
 from specjax.rl.config import TaskConfig
-from specjax.rl.tasks import Example, Score, Task
-from specjax.rl.tasks.math_data import chat_template_of, render_chat
-from specjax.rl.tasks.rewards import extract_answer, math_verify_reward
+from specjax.rl.tasks import Example
+from specjax.rl.tasks.math_data import ChatMathTask, chat_template_of, render_chat
 
 NAMES = ("Mia", "Tom", "Sara", "Ben", "Lena", "Omar", "Ava", "Leo", "Nina", "Sam", "Zoe", "Raj")
 PRONOUN = {"Mia": "She", "Sara": "She", "Lena": "She", "Ava": "She", "Nina": "She", "Zoe": "She"}
@@ -60,7 +60,7 @@ def make_problem(rng: np.random.Generator, steps: int, digits: int,
   return " ".join(parts), count
 
 
-class WordProblemTask(Task):
+class WordProblemTask(ChatMathTask):
   """GSM8K-style word problems generated from an index (see the module docstring)."""
 
   name = "word_problems"
@@ -86,16 +86,6 @@ class WordProblemTask(Task):
 
   def validation(self, n: int) -> list[Example]:
     return [self._example(_VALID, i) for i in range(n)]
-
-  def encode_prompt(self, example: Example) -> list[int]:
-    # a chat template writes its own BOS (when the model has one)
-    return self.tokenizer.encode(example.prompt, bos=self.template is None and
-                                 getattr(self.tokenizer, "bos_id", None) is not None)
-
-  def score(self, completion: str, example: Example) -> Score:
-    correct = math_verify_reward(completion, example.answer, self.cfg.reward_timeout_s) > 0
-    bonus = self.cfg.format_reward * float(extract_answer(completion) is not None)
-    return Score(reward=float(correct) + bonus, correct=correct)
 
 
 def write_jsonl(path: str, cfg: TaskConfig, start: int, n: int, validation: bool = False) -> str:
