@@ -22,6 +22,7 @@ from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.sampling import engine as eng
 from specjax.sampling.engine import programs
 from specjax.sampling import buckets
+from specjax.sampling.buckets import NO_LIMIT
 from specjax.sampling.cost_cache import CostCache
 from specjax.sampling.cost_table import CostTable
 from specjax.sampling.adaptive import (AcceptanceEstimate, DraftLenPolicy, DraftShapePolicy,
@@ -163,8 +164,12 @@ def test_a_stateful_drafter_that_never_pays_is_retired_for_the_rest_of_the_rollo
   never = int(np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(static_ar.tokens))[0])
   drafter = ObservingRejectedDrafter(draft_len=3, token=never)
   # min_gain 0.5: after the first rollout's probe no K can promise it (E[tokens | K] <= 1.28,
-  # even with the counts decayed at the next rollout), whatever the step timings
-  engine = EngineConfig(buckets=BucketConfig(window_block=0), adaptive=AdaptiveConfig(min_gain=0.5),
+  # even with the counts decayed at the next rollout), whatever the step timings; probe_drafts
+  # 2: the probe's 5 drafts, and the 3.5 the next rollout keeps of them, are counts enough to
+  # retire it on (with the default 16 it would keep observing and probe again: these rows
+  # finish within a few steps)
+  engine = EngineConfig(buckets=BucketConfig(window_block=0),
+                        adaptive=AdaptiveConfig(min_gain=0.5, probe_drafts=2.0),
                         calibration=CalibrationConfig(repeats=1))
   tuning = EngineTuning()  # the second rollout starts from the first one's estimate
   run = lambda: speculative_generate(target, drafter, (), PROMPTS, PROMPT_LENGTHS,
@@ -181,6 +186,66 @@ def test_a_stateful_drafter_that_never_pays_is_retired_for_the_rest_of_the_rollo
   # plain AR step of a stateful drafter ran its observe)
   jax.effects_barrier()
   assert len(OBSERVED) == 1
+
+
+def test_ar_segments_recheck_a_drafter_that_failed_once(target, static_ar):
+  never = int(np.setdiff1d(np.arange(CFG.vocab_size), np.asarray(static_ar.tokens))[0])
+  # as above, every draft rejected and no K promising min_gain after the probe; AR segments
+  # re-decide every 3 steps, and the counts fade meanwhile
+  adaptive = AdaptiveConfig(min_gain=0.25, recheck_iters=3, recheck_decay=0.5)
+  engine = EngineConfig(buckets=BucketConfig(window_block=0), adaptive=adaptive)
+  tuning = EngineTuning()
+  out = speculative_generate(target, RejectedDrafter(draft_len=3, token=never), (), PROMPTS,
+                             PROMPT_LENGTHS, jax.random.key(1), GREEDY, engine=engine,
+                             tuning=tuning)
+  assert_same_rollout(out, static_ar)
+  ar = [s for s in out.segments if s.draft_len == 0]
+  assert ar and all(s.iterations <= 3 for s in ar)
+  assert not any(s.drafter_retired for s in out.segments)  # stateless: rechecked, not retired
+  (est,) = tuning.estimates._by_key.values()
+  drafted = float(out.stats.num_drafts.sum())
+  assert 0 < est.offered[0] < drafted  # the AR steps faded what the drafts counted
+
+
+def _rejecting_policy(retire: bool, **adaptive) -> DraftLenPolicy:
+  cfg = AdaptiveConfig(**adaptive)
+  est = AcceptanceEstimate(4, cfg.prior_acceptance, cfg.prior_weight)
+  return DraftLenPolicy((0, 2, 4), est, cfg, retire=retire)
+
+
+def test_the_draft_length_policy_rechecks_a_stateless_drafter_and_retires_a_stateful_one():
+  cost = {0: 1.0, 2: 1.2, 4: 1.4}.get  # seconds per step: drafting pays at high acceptance
+  policy = _rejecting_policy(retire=False)
+  assert policy.choose(cost, 8)[0] > 0  # nothing seen: it drafts
+  policy.estimate.add(4, 64.0, np.zeros(4))  # 64 drafts, none accepted
+  policy.ran(4, 8)
+  assert policy.choose(cost, 8)[0] == 0 and not policy.retired
+  assert policy.budget(0, 0) == 64  # re-decide after recheck_iters AR steps
+  ar_steps = 0
+  while policy.choose(cost, 8)[0] == 0:
+    policy.ran(0, 64)
+    ar_steps += 64
+    assert ar_steps <= 64 * 8, "a drafter that failed once is never drafted again"
+  k = policy.choose(cost, 8)[0]
+  assert policy.budget(k, 0) == policy.cfg.probe_iters  # the recheck is a short segment
+  policy.estimate.add(k, 32.0, np.zeros(4))  # it fails again: back to AR
+  policy.ran(k, 4)
+  assert policy.choose(cost, 8)[0] == 0
+  # without rechecks an AR segment runs to its bucket's end and the counts stay
+  still = _rejecting_policy(retire=False, recheck_iters=0)
+  still.estimate.add(4, 64.0, np.zeros(4))
+  assert still.choose(cost, 8)[0] == 0 and still.budget(0, 0) == NO_LIMIT
+  still.ran(0, 10_000)
+  assert still.estimate.offered[0] == 64.0
+  # a stateful drafter is retired, but only on counts that are not thin
+  stateful = _rejecting_policy(retire=True)
+  stateful.estimate.add(4, 8.0, np.zeros(4))  # 8 < probe_drafts = 16
+  assert stateful.choose(cost, 8)[0] == 0 and not stateful.retired
+  stateful.estimate.add(4, 64.0, np.zeros(4))
+  assert stateful.choose(cost, 8)[0] == 0 and stateful.retired
+  assert stateful.budget(0, 0) == NO_LIMIT
+  stateful.ran(0, 10_000)  # a retired drafter's counts stay for the next rollout
+  assert stateful.estimate.offered[0] == 72.0
 
 
 def test_acceptance_estimate_follows_the_counts_and_the_prior():

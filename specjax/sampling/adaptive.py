@@ -116,21 +116,32 @@ class DraftLenPolicy:
   acceptance `estimate` carried across rollouts."""
 
   def __init__(self, k_choices: tuple[int, ...], estimate: AcceptanceEstimate,
-               cfg: AdaptiveConfig):
+               cfg: AdaptiveConfig, retire: bool = False):
+    """`retire`: the drafter keeps state that AR steps must feed (`Drafter.stateful`), so it is
+    set aside once the counts rule it out rather than rechecked (`choose`)."""
     self.k_choices, self.estimate, self.cfg = k_choices, estimate, cfg
     self.adaptive = len(k_choices) > 1
+    self.can_retire = retire
     self.retired = False  # see `choose`
+    self.rechecking = False  # an AR segment ran since the last drafting one (`ran`)
+
+  @property
+  def thin(self) -> bool:
+    """Fewer drafts than `probe_drafts` behind the estimate (a first rollout, or counts that
+    faded since)."""
+    return bool(self.estimate.offered[0] < max(self.cfg.probe_drafts, 1e-9))
 
   def choose(self, cost: Callable[[int], float], live: int) -> tuple[int, float]:
     """(K, expected tokens/s) maximising live * E[tokens | K] / cost(K). Every K is costed first
     (the engine times a bucket's K = 0 and largest K on its first visit; a K in between costs an
     estimate until a segment runs it).
 
-    When the acceptance measured so far rules out every K > 0, the drafter is *retired* for the
-    rest of the rollout: the estimate changes only through drafting segments, so no later choice
-    of this rollout could pick a K > 0, and a stateful drafter (EAGLE-3, MTP, a draft model)
-    would only keep observing at a cost per step. The next rollout starts with the drafter
-    again."""
+    When the acceptance measured so far rules out every K > 0, the policy runs AR segments of
+    `recheck_iters` steps, over which the counts fade toward the prior (`ran`), until a K > 0
+    promises a gain again and a short segment measures the drafter anew. A stateful drafter
+    (`retire`: EAGLE-3, MTP, a draft model) would have to observe every AR step meanwhile, so
+    once counts that are not thin rule it out it is *retired* for the rest of the rollout: no
+    more observing, no rechecks. The next rollout starts with the drafter again."""
     if not self.adaptive:
       return self.k_choices[0], float("nan")
     if self.retired:
@@ -141,7 +152,7 @@ class DraftLenPolicy:
     else:  # a K whose expected tokens cannot beat AR by min_gain is not even measured
       bar = 1.0 + self.cfg.min_gain
       choices = [k for k in self.k_choices if k == 0 or self.estimate.expected_tokens(k) > bar]
-      self.retired = choices == [0]
+      self.retired = choices == [0] and self.can_retire and not self.thin
     if len(choices) == 1:
       return choices[0], float("nan")
     return best_draft_len({k: self.estimate.expected_tokens(k) for k in choices},
@@ -150,15 +161,30 @@ class DraftLenPolicy:
   def budget(self, k: int, j: int) -> int:
     """Steps a segment at K may run before K is chosen again; `j` counts the segments the
     bucket already ran at this K."""
-    if not self.adaptive or k == 0:
-      # plain AR collects no acceptance evidence and the costs do not change with the live
-      # count, so a re-decision would choose K = 0 again: run until the bucket or window ends
+    if not self.adaptive:
       return NO_LIMIT
-    if self.estimate.offered[0] < max(self.cfg.probe_drafts, 1e-9):
-      # thin evidence (a first rollout, or counts decayed since): draft briefly, then decide
+    if k == 0:
+      # plain AR collects no acceptance evidence: without rechecks (or once the drafter is
+      # retired) a re-decision would choose K = 0 again, so it runs until the bucket or window
+      # ends; with them it re-decides after recheck_iters steps, the counts faded meanwhile
+      return NO_LIMIT if self.retired or not self.cfg.recheck_iters else self.cfg.recheck_iters
+    if self.thin or self.rechecking:
+      # thin evidence, or a drafter rechecked after an AR stretch: draft briefly, then decide
       # again, so a drafter that fails costs a few steps, not a segment
       return self.cfg.probe_iters
     return min(self.cfg.first_segment_iters << j, self.cfg.max_segment_iters)
+
+  def ran(self, k: int, iters: int) -> None:
+    """A segment ran `iters` steps at K. AR steps fade the counts (recheck_decay per
+    recheck_iters steps) and make the next drafting segment a short one; a drafting segment
+    ends the recheck."""
+    if not self.adaptive or self.retired or not self.cfg.recheck_iters:
+      return
+    if k == 0:
+      self.estimate.decay(self.cfg.recheck_decay ** (iters / self.cfg.recheck_iters))
+      self.rechecking = True
+    else:
+      self.rechecking = False
 
 
 class DraftShapePolicy:
@@ -185,6 +211,12 @@ class DraftShapePolicy:
 
   def budget(self, k: int, width: int, j: int) -> int:
     return self.policies[width].budget(k, j)
+
+  def ran(self, k: int, width: int, iters: int) -> None:
+    """A segment ran (`DraftLenPolicy.ran`): an AR one concerns every width's estimate."""
+    for w, policy in self.policies.items():
+      if k == 0 or w == width:
+        policy.ran(k, iters)
 
   def choose(self, cost: Callable[[int, int], float], live: int) -> tuple[int, int, float]:
     """(K, width, expected tokens/s); `cost(K, width)` seconds per step."""

@@ -117,6 +117,16 @@ class AdaptiveConfig:
   # draft only when expected tokens/s beat plain AR by this fraction; a K no segment has run
   # (its cost a line estimate, its program not compiled) must also beat the timed K by it
   min_gain: float = 0.05
+  # an AR (K = 0) segment re-decides after recheck_iters steps, and over every recheck_iters AR
+  # steps the acceptance counts fade to recheck_decay of their weight: a poor stretch's estimate
+  # drifts back toward the prior until a short drafting segment (probe_iters steps, its cost
+  # counted in the rollout) measures the drafter again, so one unlucky probe does not turn
+  # drafting off for a whole queue. A stateful drafter (EAGLE-3, MTP, a draft model) is retired
+  # instead once enough counts rule it out: it stops observing AR steps, which saves their cost
+  # but leaves it nothing current to draft from (`DraftLenPolicy.choose`). 0: an AR segment runs
+  # to its bucket's end and the counts stay as they are
+  recheck_iters: int = 64
+  recheck_decay: float = 0.5
 
   def __post_init__(self):
     w = "EngineConfig.adaptive"
@@ -137,6 +147,10 @@ class AdaptiveConfig:
           f"must be in (0, 1), got {self.prior_acceptance}")
     check(self.prior_weight > 0, f"{w}.prior_weight", f"must be > 0, got {self.prior_weight}")
     check(self.min_gain >= 0, f"{w}.min_gain", f"must be >= 0, got {self.min_gain}")
+    check(self.recheck_iters >= 0, f"{w}.recheck_iters",
+          f"must be >= 0 (0: no rechecks), got {self.recheck_iters}")
+    check(0 <= self.recheck_decay <= 1, f"{w}.recheck_decay",
+          f"must be in [0, 1], got {self.recheck_decay}")
 
   def k_choices(self, k_max: int) -> tuple[int, ...]:
     """The K adaptivity chooses from when the largest is k_max: 0, `draft_lens` below k_max

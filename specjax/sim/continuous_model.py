@@ -293,6 +293,7 @@ def simulate_continuous(cfg: ContinuousEngineConfig, lengths: Sequence[float],
     j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
     per_bucket[bucket], last_k[bucket] = j + 1, k
     iters = min(iters, policy.budget(k, j))
+    policy.ran(k, iters)  # (AR steps fade the counts, as in the engine)
     if cfg.num_pages:  # return when the pages run out
       if pages(live, iters * mean) > limit:
         lo, hi = 0, iters  # the largest lo with pages(lo iterations) <= limit

@@ -270,6 +270,7 @@ def simulate_engine(cfg: EngineModelConfig, lengths: Sequence[float], rates: Seq
     j = per_bucket.get(bucket, 0) if last_k.get(bucket) in (None, k) else 0
     per_bucket[bucket], last_k[bucket] = j + 1, k
     iters = min(iters, policy.budget(k, j))
+    policy.ran(k, iters)  # (AR steps fade the counts, as in the engine)
     step = step_cost(bucket, k, window)
     new_done = done_tokens + iters * mean
     tokens = float(np.clip(np.minimum(work, new_done) - done_tokens, 0, None).sum())

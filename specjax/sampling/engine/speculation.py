@@ -49,7 +49,8 @@ class Speculation:
              p.cfg, p.graphdef)
       estimate = tuning.estimates.get(key, max(self.k_max, 1), engine.adaptive)
       estimate.decay(engine.adaptive.estimate_decay)
-      policies[w] = DraftLenPolicy(k_choices, estimate, engine.adaptive)
+      policies[w] = DraftLenPolicy(k_choices, estimate, engine.adaptive,
+                                   retire=drafter is not None and drafter.stateful)
     self.policy = DraftShapePolicy(policies, engine.adaptive)
     self.adaptive = self.policy.adaptive  # K (and the tree width) is chosen per segment
     # the K each bucket compiles and times when it is prepared; another K costs the line
@@ -211,6 +212,7 @@ class Speculation:
     if k > 0:
       self.policy.estimate(width).add(k, float(after.drafts - before.drafts),
                                       (after.accepted - before.accepted).astype("float64"))
+    self.policy.ran(k, width, iters)
     if self.adaptive and not self.policy.retired:  # the costs of the drafter's programs
       key = self.cost_key(bucket, k, width)
       self.costs.refine(key, iters, seconds, self.engine.calibration.cost_memory)
