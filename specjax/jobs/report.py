@@ -1,8 +1,8 @@
 """The report of an AR-vs-speculative experiment: summary.json, three PNG plots and a short table.
 
 Timings exclude compile steps (the first step of every process segment, marked
-"perf/compile_step" by the loop: a resumed run compiles again) where a run has other steps; the
-agreement of the two runs' validation accuracy is checked with a two-proportion z-test.
+"perf/compile_step" by the loop: a resumed run compiles again) where a run has other steps. The
+two arms' final accuracies are reported side by side, with no test between them (ARMS_NOTE).
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import math
 import os
 from typing import Any
 
@@ -21,6 +20,14 @@ from specjax.rl.metrics_log import read_metrics
 logger = logging.getLogger(__name__)
 
 PHASE_ORDER = ("data", "prepare", "gen", "reward", "logprob", "train")
+
+# what one run's two final accuracies can and cannot say (summary.json and the text report)
+ARMS_NOTE = (
+    "AR and spec are two policies: the same seed, but each trains on its own sampled rollouts, "
+    "so their training trajectories diverge, and one run's two accuracies do not test agreement.",
+    "The speculative sampler's losslessness is checked by the distribution tests "
+    "(tests/test_rejection.py, tests/test_speculative.py, tests/test_tree_verify.py); the arms' "
+    "accuracy over seeds is compared by python experiments/rl_zero_seeds.py.")
 
 
 def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -45,16 +52,6 @@ def _mean_after_compile(values: list[float], compile_mask: list[bool]) -> float:
   """Mean over the steps that did not compile (all of them when every step compiled)."""
   v = [x for x, c in zip(values, compile_mask) if not c] or values
   return float(np.mean(v)) if v else float("nan")
-
-
-def two_proportion_test(k1: int, n1: int, k2: int, n2: int) -> dict[str, float]:
-  """Two-sided z-test of H0: equal success probability (pooled variance)."""
-  p1, p2 = k1 / n1, k2 / n2
-  pooled = (k1 + k2) / (n1 + n2)
-  se = math.sqrt(max(pooled * (1 - pooled) * (1 / n1 + 1 / n2), 1e-300))
-  z = (p1 - p2) / se if se > 0 else 0.0
-  p_value = math.erfc(abs(z) / math.sqrt(2))
-  return {"z": z, "p_value": p_value if pooled not in (0.0, 1.0) else 1.0}
 
 
 def _by_epoch(steps: list[dict], compiled: list[bool]) -> dict[str, dict[str, float | None]]:
@@ -238,14 +235,9 @@ def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
     ar, sp = stats["ar"], stats["spec"]
     summary.update(paired_speedups(*(read_metrics(results[k]["metrics_path"])
                                      for k in ("ar", "spec"))))
-    n = cfg.rl.validation.num_prompts
-    if ar["final_val_accuracy"] is not None and sp["final_val_accuracy"] is not None:
-      k1, k2 = round(ar["final_val_accuracy"] * n), round(sp["final_val_accuracy"] * n)
-      test = two_proportion_test(k1, n, k2, n)
-      summary["agreement_test"] = {
-          "test": "two-sided two-proportion z-test on final validation accuracy",
-          "n_per_run": n, "alpha": 0.05, **test,
-          "agree_within_noise": test["p_value"] >= 0.05}
+    summary["final_val_accuracy"] = {"ar": ar["final_val_accuracy"],
+                                     "spec": sp["final_val_accuracy"]}
+    summary["final_accuracy_note"] = list(ARMS_NOTE)
   if "spec" in stats:
     summary["acceptance_length"] = stats["spec"]["acceptance_length_mean"]
   summary["validation"] = {label: {"steps": s["val_steps"], "accuracy": s["val_accuracy"]}
@@ -298,16 +290,10 @@ def format_table(summary: dict[str, Any]) -> str:
   for label, v in summary.get("validation", {}).items():
     lines.append(f"{label} validation accuracy by step: " +
                  ", ".join(f"{st}:{a:.2f}" for st, a in zip(v["steps"], v["accuracy"])))
+  if "ar" in runs and "spec" in runs:
+    lines += ARMS_NOTE
   proj = summary.get("projection")
   if proj and "rollout_speedup" in proj:
     lines.append(f"{proj['label']}: rollout {proj['rollout_speedup']:.2f}x, "
                  f"step {proj['step_speedup']:.2f}x")
-  if "agreement_test" in summary:
-    t = summary["agreement_test"]
-    seeds = "" if t["agree_within_noise"] else \
-        "; one RL seed per arm, and RL runs differ by seed: experiments/rl_zero_seeds.py " \
-        "compares the arms over seeds"
-    lines.append(f"AR vs spec final accuracy: {t['test']}, p = {t['p_value']:.3f} "
-                 f"({'agree' if t['agree_within_noise'] else 'DIFFER'} at alpha {t['alpha']}"
-                 f"{seeds})")
   return "\n".join(lines)
