@@ -15,8 +15,10 @@ from flax import nnx
 
 from broken_verifier import verify_without_residual
 from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
-from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
-                              history_lookup, prompt_key, prompt_keys, truncated_copy)
+from specjax.drafters import (CorpusStore, DraftModelDrafter, HistoryDrafter, HistoryParams,
+                              HistoryStore, corpus_lookup, history_lookup, prompt_key,
+                              prompt_keys, truncated_copy)
+from specjax.drafters.corpus import window_keys
 from specjax.errors import UserError
 from specjax.models import Decoder
 from specjax.models.decoder import DecoderOutput
@@ -59,7 +61,8 @@ def test_the_store_keeps_each_prompts_latest_completions_within_its_caps():
     rows = slice(0 if round_ == 0 else 1, 4)
     comp = np.full((4, 8), 20 + round_)[rows]
     store.record(prompts[rows], plens[rows], comp, np.full((4,), round_ + 1)[rows])
-  assert store.prompts == 3 and store.recorded == 10 and store.nbytes == nbytes
+  assert store.prompts == 3 and store.recorded == 10 and store.nbytes == 3 * 2 * (6 + 1) * 4
+  assert nbytes == 0  # memory is taken as prompts are recorded
   table = store.table()
   assert table.tokens.shape == (3, 2, 6)
   held = {(int(k), int(n)) for k, n in zip(table.keys, table.prompt_lengths)}
@@ -92,10 +95,14 @@ def test_the_store_keeps_each_prompts_latest_completions_within_its_caps():
     (lambda d: d["prompts"][0].pop("entries"), r"prompts\[0\] has no 'entries'"),
     (lambda d: d["prompts"][1]["entries"].__setitem__(1, [1, "x"]),
      r"prompts\[1\].entries\[1\] is not a list of token ids"),
-    (lambda d: d["prompts"][0].update(slot=5), r"prompts\[0\].slot 5 is out of \[0, 3\)"),
+    (lambda d: d["prompts"][1].update(key=d["prompts"][0]["key"],
+                                      prompt_length=d["prompts"][0]["prompt_length"]),
+     r"prompts\[1\] repeats an earlier prompt's key"),
+    (lambda d: d["prompts"].extend(d["prompts"][:2]), r"4 prompts, for 3"),
     (lambda d: d["prompts"][0]["entries"][0].extend([1] * 9),
      r"prompts\[0\].entries\[0\] has \d+ tokens \(at most 6\)"),
-], ids=["no-prompts", "recorded-str", "no-entries", "bad-token", "bad-slot", "long-entry"])
+], ids=["no-prompts", "recorded-str", "no-entries", "bad-token", "repeated", "too-many",
+        "long-entry"])
 def test_a_malformed_saved_history_names_what_is_wrong_and_leaves_the_store_as_it_was(damage,
                                                                                       problem):
   store = HistoryStore(max_prompts=3, per_prompt=2, width=6, tail=2)
@@ -129,6 +136,55 @@ def test_history_lookup_continues_the_occurrence_aligned_with_the_row():
   seq = seq.replace(tokens=jnp.asarray([[8, 3, 11, 12, 0, 0, 0, 0]], jnp.int32),
                     lengths=jnp.asarray([4], jnp.int32))
   assert history_lookup(seq, hist, hist_len, 3, 2, 1, 2)[1].tolist() == [0]
+
+
+def test_the_cross_prompt_table_drafts_what_followed_a_context_in_any_earlier_rollout():
+  rng = np.random.default_rng(2)
+  windows = rng.integers(0, 50_000, (32, 5)).astype(np.int32)
+  device = jax.jit(prompt_keys)(jnp.asarray(windows), jnp.full((32,), 5, jnp.int32))
+  np.testing.assert_array_equal(window_keys(windows), np.asarray(device))
+  assert window_keys(windows[:1]).item() == prompt_key(windows[0])
+  corpus = CorpusStore(slots=1024, width=3, min_n=2, max_n=4)
+  assert corpus.filled == 0 and corpus.nbytes == 1024 * (3 + 2) * 4
+  # two rollouts of other prompts: "5 6 7" is followed by 8 9 10 in the first and by 11 12 in the
+  # later one (which replaces it)
+  corpus.record([np.array([1, 5, 6, 7, 8, 9, 10, 4])])
+  corpus.record([np.array([2, 5, 6, 7, 11, 12]), np.array([3, 3, 6, 7, 8])])
+  table = corpus.table()
+  seq = lambda *rows: Sequences(tokens=jnp.asarray([r + [0] * (8 - len(r)) for r in rows],
+                                                   jnp.int32),
+                                lengths=jnp.asarray([len(r) for r in rows], jnp.int32),
+                                prompt_lengths=jnp.ones((len(rows),), jnp.int32))
+  drafts, matched = corpus_lookup(seq([9, 5, 6, 7], [4, 4, 6, 7], [6, 7, 8, 9], [13, 14]),
+                                  table, draft_len=4)
+  # row 0: the longest context held is "5 6 7" (3 tokens): the later rollout's 11 12, clamped;
+  # row 1: "6 7" last appeared in the third sequence, before 8; row 2: "6 7 8 9" (4 tokens, the
+  # longest order) -> 10 4; row 3: nothing held
+  assert matched.tolist() == [3, 2, 4, 0]
+  assert drafts[:3].tolist() == [[11, 12, 12, 12], [8, 8, 8, 8], [10, 4, 4, 4]]
+  # a JSON round trip restores the table; another shape or damage is refused by name
+  again = CorpusStore(slots=1024, width=3, min_n=2, max_n=4)
+  again.load_json(corpus.to_json())
+  for a, b in zip(jax.tree.leaves(again.table()), jax.tree.leaves(table)):
+    np.testing.assert_array_equal(a, b)
+  with pytest.raises(UserError, match=r"shape \[1024, 3, 2, 4\], this run's \[1024, 4, 2, 4\]"):
+    CorpusStore(slots=1024, width=4, min_n=2, max_n=4).load_json(corpus.to_json())
+  damaged = corpus.to_json()
+  damaged["entries"][0] = ["x"]
+  with pytest.raises(UserError, match=r"entry 0 .* out of bounds or not token ids"):
+    again.load_json(damaged)
+  # a history store with a table feeds it each row's prompt end and completion, and saves it
+  store = HistoryStore(max_prompts=4, per_prompt=2, width=8, tail=2,
+                       corpus=CorpusStore(slots=64, width=2, min_n=2, max_n=3))
+  store.record(np.array([[7, 5, 6, 0]]), np.array([3]), np.array([[7, 8, 9]]), np.array([3]))
+  assert store.corpus.filled > 0
+  saved = store.to_json()
+  fresh = HistoryStore(max_prompts=4, per_prompt=2, width=8, tail=2,
+                       corpus=CorpusStore(slots=64, width=2, min_n=2, max_n=3))
+  fresh.load_json(saved)
+  assert fresh.to_json() == saved
+  drafts, matched = corpus_lookup(seq([1, 5, 6]), fresh.corpus.table(), draft_len=2)
+  assert matched.tolist() == [2] and drafts.tolist() == [[7, 8]]
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ Drafters plug into `specjax.sampling`'s rollout engine through its `Drafter` pro
 RL train step through their method's online loss. Importing this package (or any module in it)
 registers every built-in method: `none`, `ngram`, `group-ngram`, `draft-model`, `eagle3`, `mtp`,
 `history` and `eagle3-history` (each prompt's earlier completions: `history.py`, its host store
-`history_store.py`).
+`history_store.py`, and optionally any prompt's: the cross-prompt table of `corpus.py`).
 """
 
 from specjax.drafters.methods import (DraftInit, DraftLossInputs, DraftMethod, DraftMethodBase,
@@ -21,6 +21,7 @@ from specjax.drafters.eagle3 import (ChainDrafter, ChainState, Eagle3Drafter, Ea
 from specjax.drafters.history import (Eagle3HistoryMethod, HistoryDrafter, HistoryMethod,
                                       HistoryParams, HistoryState, history_lookup)
 from specjax.drafters.history_store import HistoryStore, HistoryTable, prompt_key, prompt_keys
+from specjax.drafters.corpus import CorpusStore, CorpusTable, corpus_lookup
 from specjax.drafters.head import Eagle3Head, HeadConfig, init_head
 from specjax.drafters.mtp import MtpDrafter, MtpMethod, mtp_drafter, mtp_loss, split_mtp
 from specjax.drafters.train import (DraftTrainConfig, DraftTrainResult, Rollouts,
@@ -45,6 +46,7 @@ __all__ = [
     "ChainDrafter", "ChainState", "Eagle3Drafter", "Eagle3Method", "Eagle3Params", "eagle3_drafter",
     "HistoryDrafter", "HistoryMethod", "Eagle3HistoryMethod", "HistoryParams", "HistoryState",
     "HistoryStore", "HistoryTable", "history_lookup", "prompt_key", "prompt_keys",
+    "CorpusStore", "CorpusTable", "corpus_lookup",
     "MtpDrafter", "MtpMethod", "mtp_drafter", "mtp_loss", "split_mtp",
     "save_head", "load_head",
 ]

@@ -9,6 +9,11 @@ them), and drafts the continuation of the row's last n tokens in them, the occur
 row's own position first. Where the history has no match the drafter falls back to its `inner`
 drafter (an EAGLE-3 head, a draft model) or, without one, to n-gram lookup in the row itself.
 
+With a cross-prompt table (`HistoryParams.corpus`, `specjax.drafters.corpus`: what followed a
+context in any prompt's earlier rollouts) a row whose last tokens match there longer than in its
+own prompt's history drafts that continuation instead: a dataset visited once per epoch rarely
+shows a prompt again within a run, but its answers' text recurs across prompts.
+
 Drafts from the history are deterministic (a one-hot draft distribution), or with `sampled`
 drawn from the entries' votes for what follows the row's context (a draft distribution q, accepted
 with probability min(1, p(x) / q(x)) and corrected by the verifier's residual). Either way the
@@ -27,6 +32,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from specjax.config_tree import check
+from specjax.drafters.corpus import CorpusTable, corpus_lookup
 from specjax.drafters.eagle3 import Eagle3Method
 from specjax.drafters.history_store import HistoryTable, prompt_keys
 from specjax.drafters.methods import DraftMethodBase, register_method
@@ -37,6 +43,7 @@ from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 class HistoryParams:
   table: HistoryTable
   inner: Any = None  # the inner drafter's params
+  corpus: CorpusTable | None = None  # the cross-prompt table, if the store keeps one
 
 
 @struct.dataclass
@@ -198,6 +205,15 @@ class HistoryDrafter(Drafter):
       key, sample_key = jax.random.split(key)
       hist, q = history_sample(seq, state.tokens, state.lengths, hist, self.n, self.min_n,
                                params.table.tail, self.vocab_size, sample_key)
+    if params.corpus is not None:
+      # any prompt's earlier rollouts: where their context matches longer than the prompt's own
+      # history (or that has none), their continuation (deterministic: q one-hot)
+      found, found_len = corpus_lookup(seq, params.corpus, self.draft_len)
+      cross = (found_len > jnp.where(use, matched, 0)) & (found_len > 0)
+      hist = jnp.where(cross[:, None], found, hist)
+      if q is not None:
+        q = jnp.where(cross[:, None, None], jax.nn.one_hot(found, q.shape[-1], dtype=q.dtype), q)
+      use = use | cross
     inner = self._inner()
     if inner is None:
       other, probs, inner_state = lookup(seq, self.draft_len, self.n, self.min_n, 1), None, ()

@@ -35,17 +35,28 @@ class DraftConfig:
   ngram_min: int = 1
   ngram_max: int = 3
   path: str = ""  # checkpoint or HF folder of an offline-trained draft
-  # history / eagle3-history: each prompt's most recent completions (`HistoryStore`), kept for
-  # at most history_prompts prompts x history_per_prompt completions of history_tokens tokens
-  # (0: ngram_max prompt tokens + max_new_tokens); a history draft needs a match of at least
+  # history / eagle3-history: each prompt's most recent completions (`HistoryStore`), kept on
+  # the host for at most history_prompts prompts x history_per_prompt completions of
+  # history_tokens tokens (0: ngram_max prompt tokens + max_new_tokens), 4 bytes a token, taken
+  # as prompts are recorded (GSM8K's 7.5k or DAPO-Math's 17k prompts all fit; each rollout hands
+  # the device its own prompts' entries only); a history draft needs a match of at least
   # history_min_match tokens (capped at ngram_max); history_sampled: at a temperature > 0 each
   # history draft is drawn from the entries' votes for what follows its context (a draft
   # distribution the verifier's residual corrects), not the nearest occurrence's token
-  history_prompts: int = 1024
+  history_prompts: int = 32768
   history_per_prompt: int = 4
   history_tokens: int = 0
   history_min_match: int = 2
   history_sampled: bool = False
+  # history / eagle3-history: with corpus_slots > 0 (a power of two) the store also keeps a
+  # cross-prompt table (`specjax.drafters.corpus`): for every n-gram of corpus_min_match to
+  # corpus_ngram_max tokens in any prompt's earlier rollouts, the draft_len tokens that followed
+  # its latest occurrence, in corpus_slots hashed entries (corpus_slots x (draft_len + 2) x 4
+  # bytes); a row drafts from it where its context matches there longer than in its prompt's own
+  # history. 0: no table
+  corpus_slots: int = 0
+  corpus_min_match: int = 3
+  corpus_ngram_max: int = 8
 
   def __post_init__(self):
     w = "DraftConfig"
@@ -66,6 +77,12 @@ class DraftConfig:
     _check(self.history_tokens == 0 or self.history_tokens > self.ngram_max,
            f"{w}.history_tokens", f"must be 0 (ngram_max + max_new_tokens) or > ngram_max = "
            f"{self.ngram_max}, got {self.history_tokens}")
+    _check(self.corpus_slots >= 0 and not self.corpus_slots & (self.corpus_slots - 1),
+           f"{w}.corpus_slots", f"must be 0 (no table) or a power of two, got "
+           f"{self.corpus_slots}")
+    _check(1 <= self.corpus_min_match <= self.corpus_ngram_max, f"{w}.corpus_min_match",
+           f"must be in [1, corpus_ngram_max={self.corpus_ngram_max}], got "
+           f"{self.corpus_min_match}")
     _check(self.history_min_match >= 1, f"{w}.history_min_match",
            f"must be >= 1, got {self.history_min_match}")
     if self.online and self.method.online_loss is None:

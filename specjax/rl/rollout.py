@@ -20,7 +20,8 @@ from specjax.rl.config import RLConfig, RolloutConfig
 from specjax.sampling import (AcceptanceMetrics, Drafter, EngineConfig, EngineTuning, Rollout,
                               SamplingConfig, generate, speculative_generate)
 from specjax.sampling.engine.paged_state import kv_cache_gb_for
-from specjax.drafters import GroupNgramDrafter, HistoryDrafter, HistoryParams, HistoryStore
+from specjax.drafters import (CorpusStore, GroupNgramDrafter, HistoryDrafter, HistoryParams,
+                              HistoryStore)
 
 
 def sampling_config(cfg: RLConfig, tokenizer, greedy: bool = False) -> SamplingConfig:
@@ -88,9 +89,12 @@ def make_history(cfg: RLConfig, drafter: Drafter | None) -> HistoryStore | None:
   if not isinstance(drafter, HistoryDrafter):
     return None
   d = cfg.draft
+  corpus = None if not d.corpus_slots else CorpusStore(
+      slots=d.corpus_slots, width=max(drafter.draft_len, 1), min_n=d.corpus_min_match,
+      max_n=d.corpus_ngram_max)
   return HistoryStore(max_prompts=d.history_prompts, per_prompt=d.history_per_prompt,
                       width=d.history_tokens or drafter.n + cfg.rollout.max_new_tokens,
-                      tail=drafter.n)
+                      tail=drafter.n, corpus=corpus)
 
 
 def cast_floats(tree: Any, dtype) -> Any:
@@ -143,7 +147,10 @@ class RolloutSampler:
         group_size != drafter.group_size:
       drafter = dataclasses.replace(drafter, group_size=group_size)
     if self.history is not None:
-      drafter_params = HistoryParams(table=self.history.table(), inner=drafter_params)
+      # the device gets this rollout's prompts' entries only
+      table = self.history.table(*jax.device_get((prompts, prompt_lengths)))
+      corpus = None if self.history.corpus is None else self.history.corpus.table()
+      drafter_params = HistoryParams(table=table, inner=drafter_params, corpus=corpus)
     rollout = speculative_generate((self.policy_graphdef, policy), drafter, drafter_params,
                                    prompts, prompt_lengths, key, scfg, engine=engine,
                                    tuning=self.tuning)
