@@ -34,7 +34,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from specjax.config_tree import apply_cli  # noqa: E402
-from specjax.drafters import HistoryStore, history_lookup  # noqa: E402
+from specjax.drafters import (CorpusStore, HistoryStore, corpus_lookup,  # noqa: E402
+                              history_lookup)
 from specjax.drafters.history import history_sample  # noqa: E402
 from specjax.jobs import run_main  # noqa: E402
 from specjax.models import Decoder  # noqa: E402
@@ -57,6 +58,8 @@ class BenchConfig:
   draft_len: int = 7
   ngram_max: int = 3
   window: int = 256  # the policy's cache positions at the timed step
+  corpus_slots: int = 65536  # the cross-prompt table's (DraftConfig.corpus_slots) ...
+  corpus_orders: tuple[int, int] = (3, 8)  # ... and its n-gram orders (corpus_min_match, _max)
   repeats: int = 5
   seed: int = 0
   out: str | None = None
@@ -91,6 +94,8 @@ def host_rows(cfg: BenchConfig, rng: np.random.Generator, log) -> list[dict]:
   for h in cfg.per_prompt:
     for n in cfg.prompts:
       store = HistoryStore(max_prompts=n, per_prompt=h, width=cfg.width, tail=cfg.ngram_max)
+      corpus = CorpusStore(cfg.corpus_slots, cfg.draft_len, *cfg.corpus_orders)
+      corpus_s = []
       prompts = rng.integers(3, cfg.vocab, (n, cfg.prompt_len), dtype=np.int32)
       record_s, table_s, rollouts = [], [], 0
       per_rollout = cfg.rows // cfg.group
@@ -108,6 +113,10 @@ def host_rows(cfg: BenchConfig, rng: np.random.Generator, log) -> list[dict]:
           t0 = time.perf_counter()
           store.record(rows, plens, comp, lens)
           record_s.append(time.perf_counter() - t0)
+          t0 = time.perf_counter()
+          corpus.record(np.concatenate([p[-cfg.corpus_orders[1]:], c[:cl]])
+                        for p, c, cl in zip(rows, comp, lens))
+          corpus_s.append(time.perf_counter() - t0)
           rollouts += 1
       t0 = time.perf_counter()
       text = json.dumps(store.to_json())
@@ -120,6 +129,8 @@ def host_rows(cfg: BenchConfig, rng: np.random.Generator, log) -> list[dict]:
                  bytes=store.nbytes, traced_bytes=traced_bytes(cfg, n, h), rollouts=rollouts,
                  record_ms_per_rollout=1e3 * statistics.median(record_s),
                  table_ms_per_rollout=1e3 * statistics.median(table_s),
+                 corpus_record_ms_per_rollout=1e3 * statistics.median(corpus_s),
+                 corpus_filled=corpus.filled,
                  table_device_bytes=int(table.tokens.nbytes + table.lengths.nbytes),
                  checkpoint_json_bytes=len(text), checkpoint_save_s=save_s,
                  checkpoint_load_s=load_s)
@@ -127,8 +138,9 @@ def host_rows(cfg: BenchConfig, rng: np.random.Generator, log) -> list[dict]:
       log(f"host: {n} prompts x {h}: {row['bytes'] / 2**20:.1f} MiB held "
           f"({row['traced_bytes'] / 2**20:.1f} MiB allocated), record {row['record_ms_per_rollout']:.2f} ms, "
           f"table {row['table_ms_per_rollout']:.2f} ms per rollout of {cfg.rows} rows, "
+          f"cross-prompt table {row['corpus_record_ms_per_rollout']:.2f} ms, "
           f"checkpoint {len(text) / 2**20:.1f} MiB in {save_s:.2f} s")
-      del store, again, text, prompts
+      del store, again, text, prompts, corpus
   return out
 
 
@@ -166,6 +178,27 @@ def time_lookup(cfg: BenchConfig, batch: int, per_prompt: int, sampled: bool, vo
   return statistics.median(wall) / ITERS
 
 
+def time_corpus_lookup(cfg: BenchConfig, batch: int, table, vocab: int,
+                       rng: np.random.Generator) -> float:
+  """Median seconds of one draft step's cross-prompt lookup for `batch` rows (ITERS in a loop)."""
+  seq = Sequences(tokens=jnp.asarray(rng.integers(3, vocab, (batch, cfg.window)), jnp.int32),
+                  lengths=jnp.full((batch,), cfg.window // 2, jnp.int32),
+                  prompt_lengths=jnp.full((batch,), cfg.prompt_len, jnp.int32))
+
+  @jax.jit
+  def run(seq, table):
+    def body(i, carry):
+      seq, acc = carry
+      drafts, matched = corpus_lookup(seq, table, cfg.draft_len)
+      seq = seq.replace(lengths=seq.lengths + (drafts[:, 0] < 0) + 1 - (i % 2) * 2)
+      return seq, acc + jnp.sum(drafts) + jnp.sum(matched)
+    return jax.lax.fori_loop(0, ITERS, body, (seq, jnp.int32(0)))[1]
+
+  jax.block_until_ready(run(seq, table))
+  wall, _, _ = _timed(lambda: run(seq, table), cfg.repeats)
+  return statistics.median(wall) / ITERS
+
+
 def device_rows(cfg: BenchConfig, log) -> tuple[list[dict], dict]:
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import rl_zero  # the main job's policy shape
@@ -179,10 +212,17 @@ def device_rows(cfg: BenchConfig, log) -> tuple[list[dict], dict]:
   out = []
   for b in cfg.batches:
     step_s, _ = time_forward(model, b, cfg.draft_len + 1, cfg.window, cfg.repeats)
+    corpus = CorpusStore(cfg.corpus_slots, cfg.draft_len, *cfg.corpus_orders)
+    corpus.record(rng.integers(3, model_cfg.vocab_size, (cfg.rows, cfg.width)))
+    s = time_corpus_lookup(cfg, b, corpus.table(), model_cfg.vocab_size, rng)
+    out.append(dict(batch=b, per_prompt=0, sampled=False, corpus=True, lookup_ms=1e3 * s,
+                    drafting_step_ms=1e3 * step_s, lookup_share=s / step_s))
+    log(f"device: {b} rows, cross-prompt table of {cfg.corpus_slots} slots: lookup "
+        f"{1e3 * s:.3f} ms, {100 * s / step_s:.1f}% of a K = {cfg.draft_len} step")
     for h in cfg.per_prompt:
       for sampled in (False, True):
         s = time_lookup(cfg, b, h, sampled, model_cfg.vocab_size, rng)
-        row = dict(batch=b, per_prompt=h, sampled=sampled, lookup_ms=1e3 * s,
+        row = dict(batch=b, per_prompt=h, sampled=sampled, corpus=False, lookup_ms=1e3 * s,
                    drafting_step_ms=1e3 * step_s, lookup_share=s / step_s)
         out.append(row)
         log(f"device: {b} rows x {h} entries{' (sampled)' if sampled else ''}: lookup "
@@ -197,12 +237,12 @@ def format_tables(report: dict) -> str:
   lines = ["Host store (every prompt recorded; per rollout of "
            f"{report['config']['rows']} rows):", "",
            "| prompts | per prompt | tokens held | allocated | record / rollout | table / rollout "
-           "| checkpoint JSON | save | load |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| cross-prompt record / rollout | checkpoint JSON | save | load |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in report["host"]:
     lines.append(f"| {r['prompts']} | {r['per_prompt']} | {r['bytes'] / 2**20:.1f} MiB | "
                  f"{r['traced_bytes'] / 2**20:.1f} MiB | {r['record_ms_per_rollout']:.2f} ms | "
-                 f"{r['table_ms_per_rollout']:.2f} ms | "
+                 f"{r['table_ms_per_rollout']:.2f} ms | {r['corpus_record_ms_per_rollout']:.2f} ms | "
                  f"{r['checkpoint_json_bytes'] / 2**20:.1f} MiB | {r['checkpoint_save_s']:.2f} s | "
                  f"{r['checkpoint_load_s']:.2f} s |")
   p = report["policy"]
@@ -210,7 +250,8 @@ def format_tables(report: dict) -> str:
             f"drafting step of the main job's policy ({p['params'] / 1e6:.1f}M parameters):", "",
             "| rows | entries per row | lookup | sampled lookup | drafting step | share | "
             "sampled share |", "|---:|---:|---:|---:|---:|---:|---:|"]
-  by = {(r["batch"], r["per_prompt"], r["sampled"]): r for r in report["device"]}
+  by = {(r["batch"], r["per_prompt"], r["sampled"]): r for r in report["device"]
+        if not r["corpus"]}
   for (b, h, sampled), r in by.items():
     if sampled:
       continue
@@ -218,6 +259,14 @@ def format_tables(report: dict) -> str:
     lines.append(f"| {b} | {h} | {r['lookup_ms']:.3f} ms | {s['lookup_ms']:.3f} ms | "
                  f"{r['drafting_step_ms']:.2f} ms | {100 * r['lookup_share']:.1f}% | "
                  f"{100 * s['lookup_share']:.1f}% |")
+  c = report["config"]
+  lines += ["", f"Cross-prompt table ({c['corpus_slots']} slots, orders {c['corpus_orders'][0]}-"
+            f"{c['corpus_orders'][1]}) lookup per draft step:", "",
+            "| rows | lookup | drafting step | share |", "|---:|---:|---:|---:|"]
+  for r in report["device"]:
+    if r["corpus"]:
+      lines.append(f"| {r['batch']} | {r['lookup_ms']:.3f} ms | {r['drafting_step_ms']:.2f} ms | "
+                   f"{100 * r['lookup_share']:.1f}% |")
   return "\n".join(lines)
 
 
@@ -225,7 +274,7 @@ def main(cfg: BenchConfig) -> dict:
   if cfg.smoke:
     cfg = dataclasses.replace(cfg, prompts=(40,), per_prompt=(2,), width=24, prompt_len=6,
                               rows=8, group=2, batches=(2,), window=32, repeats=1,
-                              vocab=500)
+                              vocab=500, corpus_slots=256)
   start = time.perf_counter()
   log = lambda msg: print(f"[{time.perf_counter() - start:7.1f}s] {msg}", flush=True)
   rng = np.random.default_rng(cfg.seed)

@@ -1,10 +1,12 @@
 """RL-Zero: GRPO from a weak base model, AR rollouts vs speculative rollouts side by side.
 
 `python experiments/rl_zero.py` runs the embedded default (the trace task's long-tailed
-scratchpads over a revisited pool of prompts, a decoder pretrained here and grown to 14.2M
-parameters, drafts from each prompt's earlier completions and an EAGLE-3 head, CPU, no
-downloads) and writes runs/rl_zero/: metrics JSONL of both runs, summary.json, plots. Several RL
-seeds per arm: experiments/rl_zero_seeds.py.
+scratchpads, each step on prompts not seen before, a decoder pretrained here and grown to 14.2M
+parameters, drafts from an EAGLE-3 head, CPU, no downloads) and writes runs/rl_zero/: metrics
+JSONL of both runs, summary.json, plots. Several RL seeds per arm: experiments/rl_zero_seeds.py.
+A revisited pool of prompts, drafted from their earlier completions:
+`--rl.task.pool-size 16 --rl.draft.kind eagle3-history` (faster rollouts, lower held-out
+accuracy: README, "What the main job does").
 Every knob is a flag (`--help`), or a YAML file (`--config my.yaml`); `--model-path` takes a local
 Hugging Face checkpoint and `--dataset` a local JSONL/parquet math set.
 """
@@ -47,8 +49,9 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # 1.2M decoder pretrained here (`specjax.jobs.grow`: new layers and MLP units start with zero output
 # projections, so the grown policy computes exactly what the small one did). The train step leaves
 # out the groups whose samples all scored the same (their advantages are exactly 0;
-# RLConfig.train.skip_zero_advantage): about three quarters of the sequences here, which puts
-# generation at ~69% of the AR step (40% when every sequence was trained). 800 pretraining steps:
+# RLConfig.train.skip_zero_advantage): about half of the sequences on the prompt stream here
+# (three quarters on a revisited pool), which puts generation at 57% of the AR step on the stream
+# (~69% on the pool; 40% when every sequence was trained). 800 pretraining steps:
 # after 400 the base's sampled scratchpads were wrong too often for RL to find the right answers (+8
 # points in 30 steps); after 800, +67. Temperature 0.7: sampled scratchpads are right more often (RL
 # signal) and drafts are accepted more (2.38 vs 1.8-2.0 at 1). No online draft loss: it would add
@@ -63,10 +66,13 @@ def answer_examples(task, n: int, seed: int, bias: float) -> list[tuple[str, str
 # now Llama's, which vLLM and SGLang load: 220 steps leave its TTT loss at 0.81, agreement 0.87, and
 # the job's acceptance at 5.75 against 5.94). Smallest live bucket 2, not 1: a bucket is up to four
 # more programs to compile and calibrate (one per K) in the spec arm's first step (62 -> 39 s), and
-# a one-row tail here lasts a step or two. A pool of 16 prompts revisited epoch after epoch (four
-# epochs in 30 steps), as RL datasets are, drafted from by `eagle3-history` (each prompt's latest
-# completions where they match a row, the head elsewhere) up to K = 7: from the second epoch on it
-# accepts 5.8-7.6 tokens per step against the head's 3.1-3.2 at K <= 3. K is chosen among 0, 2, 4
+# a one-row tail here lasts a step or two. The prompt stream (each step's prompts new, as a
+# dataset visited once per epoch is within a run), drafted by the EAGLE-3 head up to K = 7: on it
+# the head accepted 3.99 tokens per step (rollout 1.50x, seed 0), the head with a cross-prompt
+# table 3.78 at matches of 6+ tokens (1.37x) and 2.39 at 3+ (1.11x). A pool of 16 prompts
+# revisited epoch after epoch with `eagle3-history` drafts faster (from the second epoch on 6.2-6.8
+# tokens per step; rollout 1.90x over eight seeds) but trains a policy 12 points less accurate on
+# held-out prompts (0.52 against 0.64: 16 prompts teach less than 60). K is chosen among 0, 2, 4
 # and 7 only: each K is a program per bucket to compile in the first step (every K in 0..7: 26
 # programs, 114 s), and the engine ran 4, 5 and 7 past the first step. Measured in
 # docs/BENCHMARKS.md ("Main job").
@@ -82,11 +88,11 @@ DEFAULTS = ExperimentConfig(
         model=ModelConfig(vocab_size=64, hidden_size=256, num_layers=8, num_heads=4,
                           num_kv_heads=2, head_dim=64, mlp_hidden=2048, tie_embeddings=True,
                           aux_layers=(1, 2, 3)),
-        task=TaskConfig(name="trace", operands=TRACE_STEPS, pool_size=16),
+        task=TaskConfig(name="trace", operands=TRACE_STEPS),
         grpo=GRPOConfig(group_size=4),
         policy_optim=OptimConfig(lr=2e-4, warmup_steps=2, clip_norm=1.0),
         draft_optim=OptimConfig(lr=1e-3, clip_norm=1.0),
-        draft=DraftConfig(kind="eagle3-history", draft_len=7, online=False),
+        draft=DraftConfig(kind="eagle3", draft_len=7, online=False),
         rollout=RolloutConfig(temperature=0.7, max_new_tokens=7 * TRACE_STEPS - 3,
                               engine=RolloutConfig.engine.replace(
                                   buckets=dict(min_bucket=2), adaptive=dict(draft_lens=(2, 4)))),
