@@ -18,10 +18,12 @@ from flax import nnx
 
 from broken_verifier import verify_without_residual
 from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
-from specjax.drafters import CorpusStore, HistoryDrafter, HistoryParams, HistoryStore
+from specjax.drafters import (CorpusStore, HistoryDrafter, HistoryParams, HistoryStore,
+                              corpus_lookup)
 from specjax.models import Decoder
 from specjax.sampling.engine.paged_state import bytes_per_page
-from specjax.sampling import STATIC, EngineTuning, generate, segment, speculative_generate
+from specjax.sampling import (STATIC, EngineTuning, Sequences, generate, segment,
+                              speculative_generate)
 from specjax.sampling.engine_config import (AdaptiveConfig, BucketConfig, CalibrationConfig,
                                             EngineConfig, PagingConfig, QueueConfig)
 from specjax.sampling.metrics import AcceptanceMetrics
@@ -64,6 +66,12 @@ def regime_params(target, sampling, prompts, lengths):
                        corpus=CorpusStore(slots=256, width=4, min_n=2, max_n=3))
   store.record(*jax.device_get((prompts[:64], lengths[:64], earlier.tokens, earlier.lengths)))
   assert store.prompts == 2 and store.corpus.filled > 0
+  # the table matches contexts longer than the history's n = 2 (a row drafts from it there): the
+  # earlier rows at their third completion token
+  upto = jnp.minimum(lengths[:64] + 2, lengths[:64] + earlier.lengths)
+  _, matched = corpus_lookup(Sequences(tokens=earlier.sequences, lengths=upto,
+                                       prompt_lengths=lengths[:64]), store.corpus.table(), 4)
+  assert int(jnp.sum(matched > 2)) > 8, matched
   return HistoryParams(table=store.table(prompts[:2 * GROUP:GROUP], lengths[:2 * GROUP:GROUP]),
                        corpus=store.corpus.table())
 

@@ -22,18 +22,9 @@ import numpy as np
 from flax import struct
 
 from specjax.config_tree import check
-from specjax.drafters.history_store import _MULT, _SEED, prompt_keys
+from specjax.drafters.history_store import prompt_keys, window_keys
 from specjax.errors import UserError
 from specjax.sampling.drafter import Sequences
-
-
-def window_keys(windows: np.ndarray) -> np.ndarray:
-  """uint32[N]: `prompt_key` of each row of windows int[N, n] (all n tokens), vectorized."""
-  w = np.asarray(windows, np.uint32)
-  n = w.shape[1]
-  with np.errstate(over="ignore"):
-    powers = np.cumprod(np.full((n,), _MULT, np.uint32), dtype=np.uint32) * _SEED
-    return np.sum((w + np.uint32(1)) * powers[None, :], axis=1, dtype=np.uint32) + np.uint32(n)
 
 
 @struct.dataclass

@@ -39,13 +39,19 @@ def prompt_keys(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
   return jnp.sum(terms, axis=1, dtype=jnp.uint32) + lengths.astype(jnp.uint32)
 
 
-def prompt_key(tokens) -> int:
-  """The hash `prompt_keys` computes on the device, of one prompt's token ids, on the host."""
-  t = np.asarray(tokens, np.uint32)
+def window_keys(windows) -> np.ndarray:
+  """uint32[N]: the hash `prompt_keys` computes on the device, of each row of windows int[N, n]
+  (all n tokens), on the host."""
+  w = np.asarray(windows, np.uint32)
+  n = w.shape[1]
   with np.errstate(over="ignore"):
-    powers = np.cumprod(np.full((len(t),), _MULT, np.uint32), dtype=np.uint32) * _SEED
-    return int((np.sum((t + np.uint32(1)) * powers, dtype=np.uint32) + np.uint32(len(t)))
-               & 0xFFFFFFFF)
+    powers = np.cumprod(np.full((n,), _MULT, np.uint32), dtype=np.uint32) * _SEED
+    return np.sum((w + np.uint32(1)) * powers[None, :], axis=1, dtype=np.uint32) + np.uint32(n)
+
+
+def prompt_key(tokens) -> int:
+  """`window_keys` of one prompt's token ids."""
+  return int(window_keys(np.asarray(tokens)[None, :])[0])
 
 
 @struct.dataclass
