@@ -105,13 +105,14 @@ def test_rl_zero_runs_draft_model_and_mtp_on_the_embedded_default(kind, tmp_path
 
 
 def test_a_dataset_is_visited_whole_not_through_the_embedded_tasks_prompt_pool():
-  """The main job revisits a pool of the embedded task's prompts; --dataset takes the whole
-  dataset, epoch after epoch, while a pool stays one flag away on the task itself."""
+  """The main job's revisited-pool option keeps a pool of the embedded task's prompts; --dataset
+  takes the whole dataset, epoch after epoch, while a pool stays one flag away on the task."""
   from specjax.jobs.config import parse_config
   from specjax.jobs.driver import build_task, resolve_dataset
 
-  assert rl_zero.DEFAULTS.rl.task.pool_size > 0
-  cfg = resolve_dataset(parse_config(rl_zero.DEFAULTS, ["--dataset", GSM8K]))
+  pooled_default = parse_config(rl_zero.DEFAULTS, ["--rl.task.pool-size", "16"])
+  assert pooled_default.rl.task.pool_size == 16
+  cfg = resolve_dataset(parse_config(pooled_default, ["--dataset", GSM8K]))
   assert (cfg.rl.task.name, cfg.rl.task.path, cfg.rl.task.pool_size) == ("math", GSM8K, 0)
   tokenizer = load_tokenizer(QWEN3)
   task = build_task(cfg, tokenizer)

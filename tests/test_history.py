@@ -18,7 +18,7 @@ from test_queue import CFG, ROWS, SAMPLE, assert_same_distribution, stat_prompts
 from specjax.drafters import (CorpusStore, DraftModelDrafter, HistoryDrafter, HistoryParams,
                               HistoryStore, corpus_lookup, history_lookup, prompt_key,
                               prompt_keys, truncated_copy)
-from specjax.drafters.history_store import window_keys
+from specjax.drafters.token_hash import window_keys
 from specjax.errors import UserError
 from specjax.models import Decoder
 from specjax.models.decoder import DecoderOutput

@@ -20,7 +20,8 @@ from specjax.drafters.eagle3 import (ChainDrafter, ChainState, Eagle3Drafter, Ea
                                      Eagle3Params, eagle3_drafter)
 from specjax.drafters.history import (Eagle3HistoryMethod, HistoryDrafter, HistoryMethod,
                                       HistoryParams, HistoryState, history_lookup)
-from specjax.drafters.history_store import HistoryStore, HistoryTable, prompt_key, prompt_keys
+from specjax.drafters.history_store import HistoryStore, HistoryTable
+from specjax.drafters.token_hash import prompt_key, prompt_keys
 from specjax.drafters.corpus import CorpusStore, CorpusTable, corpus_lookup
 from specjax.drafters.head import Eagle3Head, HeadConfig, init_head
 from specjax.drafters.mtp import MtpDrafter, MtpMethod, mtp_drafter, mtp_loss, split_mtp

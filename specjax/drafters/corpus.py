@@ -22,7 +22,7 @@ import numpy as np
 from flax import struct
 
 from specjax.config_tree import check
-from specjax.drafters.history_store import prompt_keys, window_keys
+from specjax.drafters.token_hash import prompt_keys, window_keys
 from specjax.errors import UserError
 from specjax.sampling.drafter import Sequences
 

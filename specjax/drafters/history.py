@@ -34,9 +34,10 @@ from flax import struct
 from specjax.config_tree import check
 from specjax.drafters.corpus import CorpusTable, corpus_lookup
 from specjax.drafters.eagle3 import Eagle3Method
-from specjax.drafters.history_store import HistoryTable, prompt_keys
+from specjax.drafters.history_store import HistoryTable
 from specjax.drafters.methods import DraftMethodBase, register_method
 from specjax.drafters.ngram import _windows_match, lookup
+from specjax.drafters.token_hash import prompt_keys
 from specjax.sampling.drafter import Drafter, Sequences, TargetStep
 
 @struct.dataclass

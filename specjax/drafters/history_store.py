@@ -1,7 +1,7 @@
 """The host side of history drafting: each prompt's most recent completions, within fixed caps.
 
-`HistoryStore` keeps on the host, per prompt (found by a hash of its tokens, `prompt_key`; the
-device computes the same hash with `prompt_keys`), its latest completions, for every prompt of a
+`HistoryStore` keeps on the host, per prompt (found by a hash of its tokens,
+`specjax.drafters.token_hash`, which the device computes too), its latest completions, for every prompt of a
 dataset up to `max_prompts` (least-recently-recorded eviction beyond that). Memory is taken as
 prompts are recorded: per prompt `per_prompt` x `width` int32 tokens. Before a rollout it hands
 the device a `HistoryTable` of the rollout's own prompts only (static shape: one slot per row),
@@ -21,37 +21,11 @@ import numpy as np
 from flax import struct
 
 from specjax.config_tree import check
+from specjax.drafters.token_hash import prompt_key
 from specjax.errors import UserError
 
 if TYPE_CHECKING:
   from specjax.drafters.corpus import CorpusStore
-
-_MULT = np.uint32(0x9E3779B1)  # odd: multiplication is a bijection mod 2^32
-_SEED = np.uint32(0x85EBCA6B)
-
-
-def prompt_keys(tokens: jax.Array, lengths: jax.Array) -> jax.Array:
-  """uint32[B]: a hash of each row's first lengths[b] tokens (the same as `prompt_key`)."""
-  width = tokens.shape[1]
-  powers = jnp.cumprod(jnp.full((width,), _MULT, jnp.uint32)) * _SEED  # mod 2^32
-  live = jnp.arange(width)[None, :] < lengths[:, None]
-  terms = jnp.where(live, (tokens.astype(jnp.uint32) + jnp.uint32(1)) * powers[None, :], 0)
-  return jnp.sum(terms, axis=1, dtype=jnp.uint32) + lengths.astype(jnp.uint32)
-
-
-def window_keys(windows) -> np.ndarray:
-  """uint32[N]: the hash `prompt_keys` computes on the device, of each row of windows int[N, n]
-  (all n tokens), on the host."""
-  w = np.asarray(windows, np.uint32)
-  n = w.shape[1]
-  with np.errstate(over="ignore"):
-    powers = np.cumprod(np.full((n,), _MULT, np.uint32), dtype=np.uint32) * _SEED
-    return np.sum((w + np.uint32(1)) * powers[None, :], axis=1, dtype=np.uint32) + np.uint32(n)
-
-
-def prompt_key(tokens) -> int:
-  """`window_keys` of one prompt's token ids."""
-  return int(window_keys(np.asarray(tokens)[None, :])[0])
 
 
 @struct.dataclass
