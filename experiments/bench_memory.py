@@ -12,6 +12,14 @@ cache read whole (as off the CPU), attending every query at once ("one block") a
 `QUERY_BLOCK` queries at a time ("query blocks", the default).
 
   python experiments/bench_memory.py --prefill --seq 512 2048
+
+With --job CONFIG: a job's own train step and logprob pass, at the shapes its YAML (and any
+further `--rl.*` flags) gives: the RL step's policy and draft head, one micro-batch of
+`train.pack_rows` rows of prompt + max_new_tokens positions (the packed step's program), and its
+optimizer update. On the CPU the figures are XLA's CPU buffer assignment (bfloat16 computed in
+float32 there): an estimate, before a GPU runs the job.
+
+  python experiments/bench_memory.py --job experiments/configs/rl_zero_gpu.yaml
 """
 
 from __future__ import annotations
@@ -117,6 +125,54 @@ def measure_prefill(seq: int, layers: int, batch: int) -> list[dict]:
   return rows
 
 
+def measure_job(config: str, flags: list[str]) -> list[dict]:
+  """The train step and logprob pass of the main job's config file `config` (+ `flags`)."""
+  import sys
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import rl_zero
+  from specjax.jobs.config import parse_config
+
+  job = parse_config(rl_zero.DEFAULTS, ["--config", config, *flags])
+  cfg, init = job.rl, job.draft_init
+  mcfg, rows = cfg.model, cfg.train.pack_rows
+  draft_vocab = init.draft_vocab or mcfg.vocab_size
+  prompt = cfg.rollout.max_prompt_len
+  if not prompt:  # the task's own width, as the run takes it (the main job's tasks are char-level)
+    from specjax.models import CharTokenizer
+    from specjax.rl.tasks import make_task
+    prompt = make_task(cfg.task, CharTokenizer()).max_prompt_len
+  seq = prompt + cfg.rollout.max_new_tokens
+  policy = nnx.eval_shape(lambda: Decoder(mcfg, rngs=nnx.Rngs(0)))  # shapes only: nothing runs
+  head_cfg = mcfg.replace(mlp_hidden=init.head_mlp_hidden) if init.head_mlp_hidden else mcfg
+  head = nnx.eval_shape(lambda: init_head(head_cfg, draft_vocab=draft_vocab, seed=0))
+  maps = build_vocab_maps(np.arange(mcfg.vocab_size)[::-1], mcfg.vocab_size, draft_vocab)
+  graphdef, policy_params = nnx.split(policy)
+  head_graphdef, head_params = nnx.split(head)
+  trainer = Trainer(cfg, graphdef, head_graphdef)
+  state = jax.eval_shape(lambda p, h: trainer.init_state(p, h, maps), policy_params, head_params)
+  tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+  zeros = jax.ShapeDtypeStruct((rows, seq), jnp.float32)
+  batch = TrainBatch(tokens=tokens, loss_mask=zeros,
+                     advantages=jax.ShapeDtypeStruct((rows,), jnp.float32), old_logprobs=None,
+                     ref_logprobs=zeros, sampler_logprobs=zeros)
+  forward = jax.eval_shape(trainer.forward_params, state.params)
+  meta = {"variant": "job", "seq_len": seq, "batch": rows, "layers": mcfg.num_layers,
+          "hidden": mcfg.hidden_size, "dtype": mcfg.dtype, "remat": mcfg.remat,
+          "attention_block": mcfg.attention_block, "draft": cfg.draft.kind,
+          "draft_online": cfg.draft.online, "draft_vocab": draft_vocab,
+          "head_mlp_hidden": head_cfg.mlp_hidden}
+  out = []
+  for phase, lower in (
+      ("train", lambda: train_step._step_jit_donated.lower(trainer, state, batch,
+                                                           jnp.float32(1.0))),
+      ("logprob", lambda: train_step._logprobs_jit.lower(trainer, forward, tokens))):
+    t0 = time.perf_counter()
+    compiled = lower().compile()
+    out.append({**meta, "phase": phase, "compile_s": time.perf_counter() - t0,
+                **peak_bytes(compiled)})
+  return out
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 8192])
@@ -128,11 +184,22 @@ def main(argv=None) -> None:
   p.add_argument("--prefill", action="store_true", help="measure the prefill program instead")
   p.add_argument("--prefill-layers", type=int, default=2)
   p.add_argument("--prefill-batch", type=int, default=64)
-  args = p.parse_args(argv)
+  p.add_argument("--job", metavar="CONFIG",
+                 help="a main-job YAML: measure its train step and logprob pass (further "
+                      "--rl.* flags apply to it)")
+  args, flags = p.parse_known_args(argv)
+  if flags and not args.job:
+    p.error(f"unrecognized arguments: {' '.join(flags)}")
   rows = []
   print(f"{'variant':<12} {'phase':<8} {'seq':>6} {'peak GB':>8} {'temp GB':>8} {'args GB':>8} "
         f"{'compile s':>9}")
-  for variant in ["prefill"] if args.prefill else args.variants:
+  if args.job:
+    for r in measure_job(args.job, flags):
+      rows.append(r)
+      print(f"{'job':<12} {r['phase']:<8} {r['seq_len']:>6} {r['peak_bytes'] / 1e9:>8.3f} "
+            f"{r['temp_bytes'] / 1e9:>8.3f} {r['argument_bytes'] / 1e9:>8.3f} "
+            f"{r['compile_s']:>9.1f}", flush=True)
+  for variant in [] if args.job else ["prefill"] if args.prefill else args.variants:
     for seq in args.seq:
       for r in (measure_prefill(seq, args.prefill_layers, args.prefill_batch) if args.prefill
                 else measure(variant, seq, args.vocab, args.draft_vocab, args.ttt_steps)):
@@ -141,10 +208,11 @@ def main(argv=None) -> None:
               f"{r['temp_bytes'] / 1e9:>8.3f} {r['argument_bytes'] / 1e9:>8.3f} "
               f"{r['compile_s']:>9.1f}", flush=True)
   os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-  meta = ({"shape": "qwen3-1.7b attention and MLP", "layers": args.prefill_layers,
-           "batch": args.prefill_batch} if args.prefill else
-          {"vocab": args.vocab, "draft_vocab": args.draft_vocab, "hidden": 256, "batch": 1,
-           "variants": VARIANTS})
+  meta = {"job": args.job, "flags": flags} if args.job else (
+      {"shape": "qwen3-1.7b attention and MLP", "layers": args.prefill_layers,
+       "batch": args.prefill_batch} if args.prefill else
+      {"vocab": args.vocab, "draft_vocab": args.draft_vocab, "hidden": 256, "batch": 1,
+       "variants": VARIANTS})
   with open(args.json, "w") as f:
     json.dump({"jax": jax.__version__, "backend": jax.default_backend(), **meta, "rows": rows},
               f, indent=1)

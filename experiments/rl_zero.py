@@ -13,6 +13,8 @@ Hugging Face checkpoint and `--dataset` a local JSONL/parquet math set.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from specjax.jobs import run_main, setup_logging
@@ -102,8 +104,31 @@ DEFAULTS = ExperimentConfig(
 )
 
 
+# `--smoke`: the same run at tiny shapes, seconds on a CPU, whatever --config gives (its flags
+# come after the command line's): experiments/configs/rl_zero_gpu.yaml is run this way by
+# tests/test_gpu_job.py, so that a GPU only ever runs code the CPU has run
+SMOKE_FLAGS = (
+    "--base.steps", "4", "--base.examples", "32", "--base.batch-size", "8",
+    "--base.pretrain-layers", "1", "--base.pretrain-mlp-hidden", "32",
+    "--draft-init.steps", "2", "--draft-init.prompts", "4", "--draft-init.batch-size", "2",
+    "--draft-init.head-mlp-hidden", "64", "--rl.model.attention-block", "16",
+    "--rl.model.hidden-size", "32", "--rl.model.num-layers", "4", "--rl.model.num-heads", "2",
+    "--rl.model.num-kv-heads", "1", "--rl.model.head-dim", "16", "--rl.model.mlp-hidden", "64",
+    "--rl.model.aux-layers", "1", "2", "3", "--rl.model.dtype", "float32",
+    "--rl.rollout.gen-dtype", "float32", "--rl.task.operands", "4",
+    "--rl.rollout.max-new-tokens", "28", "--rl.grpo.group-size", "2", "--rl.prompts-per-step",
+    "2", "--rl.steps", "3", "--rl.rollout.engine.queue.max-rows", "2",
+    "--rl.rollout.engine.paging.kv-cache-gb", "0.0001", "--rl.rollout.engine.buckets.min-bucket",
+    "2", "--rl.draft.draft-len", "2", "--rl.rollout.engine.adaptive.draft-lens", "1",
+    "--rl.validation.every", "2", "--rl.validation.num-prompts", "2",
+    "--rl.validation.batch-size", "2", "--rl.train.pack-rows", "1")
+
+
 def main(argv=None) -> dict:
   setup_logging()
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if "--smoke" in argv:
+    argv = [a for a in argv if a != "--smoke"] + list(SMOKE_FLAGS)
   cfg = parse_config(DEFAULTS, argv)
   from specjax.sharding import initialize_distributed
 

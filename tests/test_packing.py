@@ -16,7 +16,7 @@ from specjax.rl import train_packed, train_step as ts
 from specjax.rl.config import RLConfig, RolloutConfig, TrainConfig
 from specjax.rl.grpo import GRPOConfig
 from specjax.rl.logprobs import sequence_logprobs
-from specjax.rl.packing import first_fit_rows, pack, sequence_extents
+from specjax.rl.packing import attention_work, first_fit_rows, pack, sequence_extents
 from specjax.rl.train_step import TrainBatch, Trainer
 from specjax.sharding import MeshConfig, make_mesh
 
@@ -201,6 +201,25 @@ def test_a_batch_of_zero_advantages_trains_on_nothing_and_still_applies_the_upda
     moved |= bool(np.any(a != init))
   assert moved  # weight decay
   assert not Trainer(_cfg("token-mean", True, beta=0.1), graphdef).step_cfg.skip_zero_advantage
+
+
+def test_a_steps_work_counts_each_trained_sequence_to_its_last_loss_position(policy):
+  """train/tokens and train/attention_pairs (the step's model FLOPs): a sequence of extent e
+  (prompt and completion up to its last loss position) is e positions and e (e + 1) / 2 causal
+  pairs; padded and packed steps count alike; minibatches add up."""
+  mask = np.zeros((3, 10), np.float32)
+  mask[0, 2:5] = 1  # extent 5
+  mask[1, 3:4] = 1  # extent 4
+  assert attention_work(mask) == (9.0, 15.0 + 10.0)  # row 2 trains nothing
+  graphdef, params = policy
+  batch = _batch(7)
+  e = sequence_extents(np.asarray(batch.loss_mask)).astype(float)
+  want = (e.sum(), (e * (e + 1) / 2).sum())
+  cfg = _cfg("token-mean", False)
+  for trainer in (Trainer(cfg, graphdef), Trainer(_cfg("token-mean", True), graphdef),
+                  Trainer(cfg.replace(minibatches=2), graphdef)):
+    _, m = trainer.train_on_batch(trainer.init_state(params), batch)
+    assert (float(m["train/tokens"]), float(m["train/attention_pairs"])) == want
 
 
 def test_on_policy_packed_steps_compile_once_for_batches_of_any_lengths(policy):

@@ -9,11 +9,12 @@ import threading
 import numpy as np
 import pytest
 
+from specjax.errors import UserError
 from specjax.models import CharTokenizer, HFTokenizer
 from specjax.rl.config import TaskConfig
 from specjax.rl.tasks import Example, Score, compute_rewards, make_task
 from specjax.rl.tasks.arithmetic import ArithmeticTask, evaluate
-from specjax.rl.tasks.trace import TraceTask, trace_text
+from specjax.rl.tasks.trace import LONG_LABELS, TraceTask, trace_text
 from specjax.rl.tasks.math_data import (FALLBACK_TEMPLATE, MathDatasetTask, load_math_dataset,
                                         render_chat)
 from specjax.rl.tasks import rewards
@@ -83,6 +84,24 @@ def test_trace_task_writes_a_recurrence_counting_down_to_a_with_long_tailed_leng
   with pytest.raises(ValueError, match="TaskConfig.operands"):
     TraceTask(TaskConfig(name="trace", operands=27), TOK)
 
+
+
+def test_long_trace_counts_two_letter_labels_down_to_aa_with_completions_past_a_thousand_tokens():
+  assert trace_text(3, 5, 3, LONG_LABELS) == "ac3+5=8,ab5+8=3,aa8+3=1#1"
+  task = make_task(TaskConfig(name="trace-long", operands=129), TOK)
+  exs = task.examples(0, 3000)
+  lengths = [len(TOK.encode(task.scratchpad(ex), eos=True)) for ex in exs]
+  longest = exs[int(np.argmax(lengths))]
+  assert max(lengths) == task.max_completion_len >= 1024  # the longest trace of 129 steps
+  assert longest.meta["steps"] == 129 and longest.prompt.startswith("ey")
+  assert np.median(lengths) < 0.15 * max(lengths)  # long-tailed
+  for ex in exs[:200]:
+    a, b = int(ex.prompt[2]), int(ex.prompt[4])
+    assert ex.prompt + task.scratchpad(ex) == trace_text(a, b, ex.meta["steps"], LONG_LABELS)
+    assert len(task.encode_prompt(ex)) <= task.max_prompt_len
+    assert task.score(task.scratchpad(ex), ex).correct
+  with pytest.raises(UserError, match="TaskConfig.operands: the trace-long task takes 2..676"):
+    make_task(TaskConfig(name="trace-long", operands=677), TOK)
 
 def test_gsm8k_rows_load_with_the_final_answer_after_the_hash_marks(tmp_path):
   path = _write_jsonl(tmp_path / "gsm8k.jsonl", [

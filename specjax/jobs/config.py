@@ -110,6 +110,11 @@ class ExperimentConfig:
   # enter the speedups. Both arms' train states are held at once (twice the memory of one run);
   # False: the AR run to its end, then the speculative one
   interleave: bool = True
+  # a wall-clock budget in seconds for the whole experiment (0: none): once it is spent, both RL
+  # runs end after the step they are at (the same step: the check is made between rounds of a
+  # step of each), each after at least two steps (the first compiles), and the report is
+  # written as at the end. Sync RL with interleaved arms only
+  budget_s: float = 0.0
   base: BaseModelConfig = BaseModelConfig()
   draft_init: DraftInitConfig = DraftInitConfig()
   rl: RLConfig = RLConfig()
@@ -118,6 +123,11 @@ class ExperimentConfig:
   def __post_init__(self):
     check(bool(self.name) and os.sep not in self.name, "ExperimentConfig.name",
           f"must be a plain directory name, got {self.name!r}")
+    check(self.budget_s >= 0, "ExperimentConfig.budget_s",
+          f"must be >= 0 (0: no budget), got {self.budget_s}")
+    check(not self.budget_s or (self.interleave and not self.async_rl.enabled),
+          "ExperimentConfig.budget_s", "applies to sync RL with interleaved arms (--interleave, "
+          "async RL off), where both runs can stop after the same step")
 
 
 def parse_config(defaults: ExperimentConfig, argv: Sequence[str] | None = None) -> ExperimentConfig:

@@ -147,7 +147,8 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
     if i < len(modes) - 1:  # the train step donates its state: later runs need the originals
       params = jax.tree.map(jnp.copy, params)
     runs[label] = (rl_cfg, graphdef, params)
-  summaries = run_arms(cfg, runs, tokenizer, task, head, maps, paths)
+  budget = TimeBudget(cfg.budget_s, t_start)
+  summaries = run_arms(cfg, runs, tokenizer, task, head, maps, paths, budget)
   for label, (rl_cfg, graphdef, _) in runs.items():
     run_dir = paths[label].run_dir
     summary = summaries[label]
@@ -161,16 +162,40 @@ def run_experiment(cfg: ExperimentConfig, *, base_examples: Examples,
       logger.info(f"[rl:{label}] trained {rl_cfg.draft.kind} draft (serving format) -> {saved}")
   if cfg.export_hf and final is not None:  # the last run: the speculative one, or the only one
     export_outputs(cfg, *final)
-  report = write_report(cfg, out, results, wall_s=time.perf_counter() - t_start, initial=initial)
+  report = write_report(cfg, out, results, wall_s=time.perf_counter() - t_start, initial=initial,
+                        model_cfg=model_cfg, device_kind=jax.devices()[0].device_kind,
+                        budget_stopped_after=budget.stopped_after)
   if replaced is not None:
     replaced.commit()
   return report
 
 
-def run_arms(cfg: ExperimentConfig, runs: dict, tokenizer, task, head, maps,
-             paths) -> dict[str, dict]:
+class TimeBudget:
+  """The experiment's wall-clock budget (`ExperimentConfig.budget_s`) for its RL runs: polled
+  between rounds of one step of each run, so that once it is spent every run stops before the
+  same step; never before `MIN_STEPS` steps (the first compiles, the second is the first timed)."""
+
+  MIN_STEPS = 2
+
+  def __init__(self, budget_s: float, t_start: float):
+    self.deadline = t_start + budget_s if budget_s > 0 else None
+    self.stopped_after: int | None = None  # rounds completed when the budget was found spent
+
+  def poll(self, rounds: int) -> None:
+    if (self.deadline is not None and self.stopped_after is None and rounds >= self.MIN_STEPS
+        and time.perf_counter() > self.deadline):
+      self.stopped_after = rounds
+      logger.info(f"[rl] time budget spent after {rounds} steps of each run: stopping them")
+
+  def spent(self) -> bool:
+    return self.stopped_after is not None
+
+
+def run_arms(cfg: ExperimentConfig, runs: dict, tokenizer, task, head, maps, paths,
+             budget: TimeBudget | None = None) -> dict[str, dict]:
   """Each arm's RL run ({label: (RL config, graphdef, params)}) -> {label: its summary}: one
-  after the other, or (sync RL, `ExperimentConfig.interleave`) a step of each in turn."""
+  after the other, or (sync RL, `ExperimentConfig.interleave`) a step of each in turn, until
+  `budget` (interleaved runs only) is spent."""
   def kwargs(label):
     return dict(out_dir=paths[label].run_dir, draft=head if label == "spec" else None,
                 draft_maps=maps if label == "spec" else None, verbose=True)
@@ -181,14 +206,19 @@ def run_arms(cfg: ExperimentConfig, runs: dict, tokenizer, task, head, maps,
             for label, (c, g, p) in runs.items()}
   from specjax.rl.loop import drain, iterate_rl
 
-  steps = {label: iterate_rl(c, (g, p), tokenizer, task, **kwargs(label))
+  stop = budget.spent if budget is not None else None
+  steps = {label: iterate_rl(c, (g, p), tokenizer, task, stop_before_step=stop, **kwargs(label))
            for label, (c, g, p) in runs.items()}
-  if not cfg.interleave or len(steps) == 1:
+  if not cfg.interleave:
     return {label: drain(s) for label, s in steps.items()}
-  logger.info(f"[rl] arms interleaved: a step of each in turn ({', '.join(steps)})")
-  summaries, live = {}, list(steps)
+  if len(steps) > 1:
+    logger.info(f"[rl] arms interleaved: a step of each in turn ({', '.join(steps)})")
+  summaries, live, rounds = {}, list(steps), 0
   try:
     while live:
+      if budget is not None:
+        budget.poll(rounds)
+      rounds += 1
       for label in list(live):
         try:
           next(steps[label])

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from specjax.jobs.device_report import MFU_NOTE, device_stats, format_device_lines
 from specjax.rl.metrics_log import read_metrics
 
 logger = logging.getLogger(__name__)
@@ -221,20 +222,33 @@ def paired_speedups(ar_records: list[dict], spec_records: list[dict]) -> dict[st
 
 
 def write_report(cfg: Any, out: str, results: dict[str, dict], *, wall_s: float,
-                 initial: dict[str, float] | None = None) -> dict[str, Any]:
-  stats = {label: run_stats(read_metrics(r["metrics_path"])) for label, r in results.items()}
+                 initial: dict[str, float] | None = None, model_cfg: Any = None,
+                 device_kind: str | None = None,
+                 budget_stopped_after: int | None = None) -> dict[str, Any]:
+  """`model_cfg` and `device_kind` (the policy's ModelConfig, JAX's name of the device): each
+  run's device figures (`device_report`); `budget_stopped_after`: the steps each run had taken
+  in this process when the experiment's time budget ended them."""
+  records = {label: read_metrics(r["metrics_path"]) for label, r in results.items()}
+  stats = {label: run_stats(recs) for label, recs in records.items()}
+  if device_kind is not None:
+    for label, recs in records.items():
+      steps = [r for r in recs if "time/step" in r]
+      stats[label]["device"] = device_stats(steps, compile_mask(steps), model_cfg, device_kind,
+                                            model_cfg.dtype if model_cfg is not None else "")
   summary: dict[str, Any] = {
       "name": cfg.name, "wall_time_s": wall_s, "initial_validation": initial or {},
+      "budget_stopped_after_steps": budget_stopped_after,
       "runs": stats, "config": dataclasses.asdict(cfg),
       "notes": ("times are means per step without the compile steps (the first step of every "
                 "process segment: a resumed run compiles again); "
                 "speedup = AR time / speculative time, summed over "
                 "the steps that compiled in neither run (same steps, same prompts)"),
   }
+  if device_kind is not None:
+    summary["device_note"] = MFU_NOTE
   if "ar" in stats and "spec" in stats:
     ar, sp = stats["ar"], stats["spec"]
-    summary.update(paired_speedups(*(read_metrics(results[k]["metrics_path"])
-                                     for k in ("ar", "spec"))))
+    summary.update(paired_speedups(records["ar"], records["spec"]))
     summary["final_val_accuracy"] = {"ar": ar["final_val_accuracy"],
                                      "spec": sp["final_val_accuracy"]}
     summary["final_accuracy_note"] = list(ARMS_NOTE)
@@ -287,6 +301,10 @@ def format_table(summary: dict[str, Any]) -> str:
       lines.append(f"{label} by prompt-pool epoch (acceptance length / rollout s per step): " +
                    ", ".join(f"{e}:{fmt(v['acceptance_length'], '.2f')}/"
                              f"{fmt(v['rollout_time_s'], '.3f')}" for e, v in epochs.items()))
+  lines += format_device_lines(runs)
+  if summary.get("budget_stopped_after_steps") is not None:
+    lines.append(f"the runs stopped after {summary['budget_stopped_after_steps']} steps each in "
+                 f"this process: the experiment's time budget (--budget-s) was spent")
   for label, v in summary.get("validation", {}).items():
     lines.append(f"{label} validation accuracy by step: " +
                  ", ".join(f"{st}:{a:.2f}" for st, a in zip(v["steps"], v["accuracy"])))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 import time
 from typing import Any, Callable, Sequence
@@ -30,6 +31,8 @@ from specjax.rl.safety import NONFINITE_KEY, nonfinite_names
 from specjax.rl.tasks import Task, compute_rewards, make_task
 from specjax.rl.timing import PhaseTimer
 from specjax.rl.train_step import Trainer, TrainState
+
+_log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -233,18 +236,21 @@ def drain(steps) -> Any:
 def iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, out_dir: str,
                draft=None, draft_maps=None, hooks: Sequence[Hook] = (),
                validation_hooks: Sequence[Hook] = (), stop_after: int | None = None,
-               verbose: bool = True):
+               verbose: bool = True, stop_before_step: Callable[[], bool] | None = None):
   """`run_rl` one step at a time: a generator that yields (step, metrics) after each completed
   step (metrics written, checkpoint saved when due) and returns `run_rl`'s summary, so that
   several runs can take turns in one process (the experiment driver interleaves its AR and
-  speculative arms). Closing it early saves and closes the run as an interruption does."""
+  speculative arms). Closing it early saves and closes the run as an interruption does;
+  `stop_before_step()` returning True before a step ends the run there as its last step would
+  (a time budget: the summary is returned, a "budget" event logged)."""
   os.makedirs(out_dir, exist_ok=True)
   signals = stop_on_signals(cfg)
   try:
     summary = yield from _iterate_rl(cfg, policy, tokenizer, task, out_dir=out_dir, draft=draft,
                                      draft_maps=draft_maps, hooks=hooks,
                                      validation_hooks=validation_hooks, stop_after=stop_after,
-                                     verbose=verbose, signals=signals)
+                                     verbose=verbose, signals=signals,
+                                     stop_before_step=stop_before_step)
   finally:
     if signals is not None:
       signals.release()
@@ -253,7 +259,8 @@ def iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None = None, *, ou
 
 def _iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None, *, out_dir: str, draft,
                 draft_maps, hooks: Sequence[Hook], validation_hooks: Sequence[Hook],
-                stop_after: int | None, verbose: bool, signals: StopSignals | None):
+                stop_after: int | None, verbose: bool, signals: StopSignals | None,
+                stop_before_step: Callable[[], bool] | None = None):
   run, state = setup_run(cfg, policy, tokenizer, task, draft=draft, draft_maps=draft_maps)
   life = RunLifecycle(cfg, out_dir, state, prompt_width=run.prompt_width,
                       validate=functools.partial(validate, run), signals=signals,
@@ -263,6 +270,10 @@ def _iterate_rl(cfg: RLConfig, policy, tokenizer, task: Task | None, *, out_dir:
     life.write_pending(hooks, validation_hooks)
     end = cfg.steps if stop_after is None else min(cfg.steps, life.start + stop_after)
     for step in range(life.start, end):
+      if stop_before_step is not None and stop_before_step():
+        life.logger.log_event(life.completed, "budget", steps_left=end - step)
+        _log.info(f"time budget spent: the run ends after step {life.completed} of {cfg.steps}")
+        break
       state, metrics, errors = rl_step(run, life.state, step,
                                        jax.random.fold_in(life.base_key, step),
                                        life.data_position, timer)

@@ -18,6 +18,13 @@ def sequence_extents(loss_mask: np.ndarray) -> np.ndarray:
   return np.where(m.any(axis=1), last, 0)
 
 
+def attention_work(loss_mask: np.ndarray) -> tuple[float, float]:
+  """(positions, causal (query, key) pairs) of the rows a train step computes its loss on: each
+  row's prompt and completion up to its last loss position (`sequence_extents`), no padding."""
+  e = sequence_extents(loss_mask).astype(np.float64)
+  return float(e.sum()), float((e * (e + 1) / 2).sum())
+
+
 def first_fit_rows(extents: np.ndarray, width: int) -> list[list[int]]:
   """Row indices packed into rows of `width` positions, first fit in decreasing order of extent
   (rows of extent 0 are left out). Each packed row lists its sequences in the order laid down."""

@@ -237,12 +237,17 @@ def engine_summary(rollout: Rollout) -> dict[str, float]:
 
 def segment_events(rollout: Rollout) -> list[dict]:
   """One record per segment: (bucket, K, window, steps, live rows, expected vs measured
-  tokens/s) — each choice of the adaptive engine, for the run's event log."""
+  tokens/s, and the queue's and paged memory's state when it started) — each choice of the
+  adaptive engine, for the run's event log."""
   return [{"bucket": s.bucket, "draft_len": s.draft_len, "tree_width": s.tree_width,
-           "window": s.window, "iterations": s.iterations, "live_rows": s.live_rows_start, "tokens": s.tokens,
-           "seconds": round(s.seconds, 6), "tokens_per_s": round(s.tokens_per_s, 1),
+           "window": s.window, "iterations": s.iterations, "live_rows": s.live_rows_start,
+           "tokens": s.tokens, "seconds": round(s.seconds, 6),
+           "tokens_per_s": round(s.tokens_per_s, 1),
            "expected_tokens_per_s": None if math.isnan(s.expected_tokens_per_s)
-           else round(s.expected_tokens_per_s, 1)} for s in rollout.segments]
+           else round(s.expected_tokens_per_s, 1),
+           "drafter_retired": s.drafter_retired, "pages_in_use": s.pages_in_use,
+           "swapped_out": s.swapped_out, "waiting_for_pages": s.waiting_for_pages,
+           "refill_at": s.refill_at} for s in rollout.segments]
 
 
 def acceptance_summary(rollout: Rollout) -> dict[str, float]:

@@ -35,7 +35,7 @@ def packed_step(trainer, state: TrainState, batch: TrainBatch, draft_weight,
   the packing (their gradient is exactly 0; the loss keeps the whole batch's denominators);
   when that leaves nothing, the update applies zero gradients (AdamW's moments and weight
   decay still move, as in the full step) and the token-mean metrics are left out."""
-  from specjax.rl.packing import pack
+  from specjax.rl.packing import attention_work, pack
 
   c = trainer.step_cfg
   if batch.positions is not None:
@@ -74,6 +74,9 @@ def packed_step(trainer, state: TrainState, batch: TrainBatch, draft_weight,
   if c.skip_zero_advantage:
     metrics["train/skipped_seqs"] = float(skipped.sum()) / max(int(has_tokens.sum()), 1)
   metrics["train/packed_rows"] = float(len(micros) * trainer.pack_rows if trained else 0)
+  # for the step's model FLOPs: the trained sequences' positions and causal attention pairs
+  metrics["train/tokens"], metrics["train/attention_pairs"] = \
+      attention_work(fields["loss_mask"]) if trained else (0.0, 0.0)
   return new, metrics
 
 

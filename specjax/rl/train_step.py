@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh
@@ -25,6 +26,10 @@ from specjax.rl.train_packed import accumulate_metric, packed_step
 from specjax.rl.train_state import (GROUPS, TrainBatch, TrainState, make_optimizer,
                                     shard_train_batch, train_state_shardings)
 from specjax.drafters.methods import DraftLossInputs, DraftMethod
+
+
+# metrics of the work a step did, which add up over an optimizer step's minibatches
+SUMMED_METRICS = ("train/tokens", "train/attention_pairs", "train/packed_rows")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,8 +243,16 @@ class Trainer:
     w = self.step_cfg.draft_loss_weight if draft_weight is None else draft_weight
     if self.packing:
       return packed_step(self, state, batch, jnp.float32(w), donate)
+    from specjax.rl.packing import attention_work
+
     fn = _step_jit_donated if donate else _step_jit
-    return fn(self, state, self.place_batch(batch), jnp.float32(w))
+    new, metrics = fn(self, state, self.place_batch(batch), jnp.float32(w))
+    # for the step's model FLOPs, as the packed step counts them: positions and causal pairs
+    # of the sequences up to their last loss position
+    metrics = dict(metrics)
+    metrics["train/tokens"], metrics["train/attention_pairs"] = attention_work(
+        np.asarray(jax.device_get(batch.loss_mask)))
+    return new, metrics
 
   @property
   def packing(self) -> bool:
@@ -270,10 +283,11 @@ class Trainer:
       state, m = self.step(state, jax.tree.map(lambda x: x[i * rows:(i + 1) * rows], batch),
                            donate=donate)
       history.append(m)
-    # a minibatch that trains on no sequence has no token-mean metrics: mean over those that do
+    # a minibatch that trains on no sequence has no token-mean metrics: mean over those that do;
+    # the work done (SUMMED_METRICS) adds up over the minibatches
     keys = dict.fromkeys(k for m in history for k in m)
-    return state, {k: jnp.mean(jnp.stack([jnp.asarray(m[k]) for m in history if k in m]))
-                   for k in keys}
+    return state, {k: (jnp.sum if k in SUMMED_METRICS else jnp.mean)(
+        jnp.stack([jnp.asarray(m[k]) for m in history if k in m])) for k in keys}
 
   def apply_grads(self, state: TrainState, grads, metrics, draft_weight, *,
                   donate: bool = False) -> tuple[TrainState, dict]:

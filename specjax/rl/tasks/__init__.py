@@ -120,6 +120,11 @@ def _trace(cfg, tok):
   return TraceTask(cfg, tok)
 
 
+def _trace_long(cfg, tok):
+  from specjax.rl.tasks.trace import LongTraceTask
+  return LongTraceTask(cfg, tok)
+
+
 def _math(fmt):
   def build(cfg, tok):
     from specjax.rl.tasks.math_data import MathDatasetTask
@@ -141,6 +146,7 @@ TASKS: dict[str, Callable[[TaskConfig, Any], Task]] = {
     "arithmetic": _arithmetic,
     "chain": _chain,
     "trace": _trace,
+    "trace-long": _trace_long,
     "math": _math(None),
     "gsm8k": _math("gsm8k"),
     "dapo": _math("dapo"),

@@ -14,7 +14,9 @@ to a letter named in the prompt (the stop needs a lookup in the prompt), and a p
 whose first letter is a copy at an offset no other step uses. The number of steps is log-uniform
 on [2, cfg.operands] (at most 26: letters z..a), so completion lengths are long-tailed like
 reasoning traces: 11 to 7 * steps - 3 tokens with EOS (165 at 24 steps; median ~5 steps).
-Character-level text for `specjax.models.CharTokenizer`.
+Character-level text for `specjax.models.CharTokenizer`. `trace-long` (`LongTraceTask`) labels its
+steps with two letters ("ab3+5=8,aa5+8=3#3", up to 676 steps) for traces of a thousand tokens
+and more.
 """
 
 from __future__ import annotations
@@ -34,10 +36,13 @@ MAX_STEPS = len(LABELS)
 STEP_CHARS = 7  # "c3+5=8,"
 
 
-def trace_text(a: int, b: int, steps: int) -> str:
+LONG_LABELS = tuple(x + y for x in LABELS for y in LABELS)  # "aa", "ab", ..., "zz"
+
+
+def trace_text(a: int, b: int, steps: int, labels=LABELS) -> str:
   """The whole trace (prompt and completion): trace_text(3, 5, 2) == "b3+5=8,a5+8=3#3"."""
   out = []
-  for label in LABELS[steps - 1::-1]:
+  for label in labels[steps - 1::-1]:
     out.append(f"{label}{a}+{b}={(a + b) % 10}")
     a, b = b, (a + b) % 10
   return ",".join(out) + f"#{b}"
@@ -45,14 +50,16 @@ def trace_text(a: int, b: int, steps: int) -> str:
 
 class TraceTask(ScratchpadTask):
   name = "trace"
+  labels = LABELS  # one per step, counted down to the first
+  label_names = "letters z..a"
 
   def __init__(self, cfg: TaskConfig = TaskConfig(operands=MAX_STEPS), tokenizer=None):
     if tokenizer is None:
       from specjax.models.tokenizer import CharTokenizer
       tokenizer = CharTokenizer()
-    if not 2 <= cfg.operands <= MAX_STEPS:
-      raise UserError(f"TaskConfig.operands: the trace task takes 2..{MAX_STEPS} steps (letters "
-                      f"z..a), got {cfg.operands}")
+    if not 2 <= cfg.operands <= len(self.labels):
+      raise UserError(f"TaskConfig.operands: the {self.name} task takes 2..{len(self.labels)} "
+                      f"steps ({self.label_names}), got {cfg.operands}")
     super().__init__(cfg, tokenizer)
 
   def _make(self, stream: int, index: int) -> Example:
@@ -60,17 +67,28 @@ class TraceTask(ScratchpadTask):
     n = int(math.floor(math.exp(rng.random() * math.log(self.cfg.operands + 1))))
     n = min(max(n, 2), self.cfg.operands)
     a, b = (int(v) for v in rng.integers(0, 10, size=2))
-    text = trace_text(a, b, n)
-    prompt = f"{LABELS[n - 1]}{a}+{b}="
+    text = trace_text(a, b, n, self.labels)
+    prompt = f"{self.labels[n - 1]}{a}+{b}="
     return Example(prompt=prompt, answer=text.rsplit("#", 1)[1],
                    meta={"steps": n, "scratchpad": text[len(prompt):]})
 
 
   @property
   def max_completion_len(self) -> int:
-    """Tokens of the longest completion, EOS included."""
-    return STEP_CHARS * self.cfg.operands - 3
+    """Tokens of the longest completion, EOS included: every step's label and "a+b=s,", minus
+    the prompt's step and the last comma, then "#s" and EOS."""
+    label = len(self.labels[0])
+    return (STEP_CHARS - 1 + label) * self.cfg.operands - label - 2
 
   @property
   def max_prompt_len(self) -> int:
-    return 6  # BOS and the first step "d3+5="
+    return 5 + len(self.labels[0])  # BOS and the first step "d3+5="
+
+
+class LongTraceTask(TraceTask):
+  """The trace with two-letter step labels counted down to "aa" ("ac3+5=8,ab5+8=3,aa8+3=1#1"):
+  up to 676 steps, completions of a thousand tokens and more at 130 steps."""
+
+  name = "trace-long"
+  labels = LONG_LABELS
+  label_names = "two letters, zz..aa"
