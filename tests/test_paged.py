@@ -3,6 +3,7 @@ attention, the Pallas kernel (interpret mode) against the reference, and the hos
 invariants under random admit / grow / share / release / preempt sequences."""
 
 import copy
+import importlib.util
 import os
 import re
 import subprocess
@@ -183,23 +184,180 @@ def test_pallas_kernel_in_interpret_mode_equals_reference(t, heads, layer, per):
 def test_pallas_kernel_lowers_to_triton_for_cuda_at_every_launch_setting(t):
   """The kernel lowered for CUDA on this CPU (no GPU compile): every launch setting
   `bench_gpu.py` sweeps becomes one Triton call with its warps, whatever Pallas's default GPU
-  backend (Mosaic GPU where installed, which cannot stage the pool in shared memory)."""
+  backend (Mosaic GPU where installed, which cannot stage the pool in shared memory); split over
+  pages, its grid gains the splits (capped at the loop steps of the 8-page table), also with a
+  tree mask."""
   pytest.importorskip("jax.experimental.pallas.triton")
   q = jax.ShapeDtypeStruct((4, t, 16, 128), jnp.bfloat16)
   pool = jax.ShapeDtypeStruct((2, 8, 64, 16, 128), jnp.bfloat16)
   table = jax.ShapeDtypeStruct((4, 8), jnp.int32)
   rows = jax.ShapeDtypeStruct((4,), jnp.int32)
-  for per in (1, 2, 4, 8):
-    for warps in (None, 8):
-      def attend(q, pk, pv, table, lengths, start, per=per, warps=warps):
-        return paged_attention.paged_attention(q, pk, pv, table, lengths, start, layer=1,
-                                     implementation="pallas", pages_per_block=per,
-                                     num_warps=warps)
-      text = jax.jit(attend).trace(q, pool, pool, table, rows, rows).lower(
-          lowering_platforms=("cuda",)).as_text()
-      assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"], (per, warps)
-      found = re.findall(r"num_warps = (\d+)", text)  # None: Triton's default
-      assert len(found) == 1 and warps in (None, int(found[0])), (per, warps, found)
+  tree = jax.ShapeDtypeStruct((4, t, t), jnp.bool_)
+  settings = [(per, warps, 1, False) for per in (1, 2, 4, 8) for warps in (None, 8)]
+  settings += [(per, None, splits, tree) for per in (1, 4) for splits in (2, 4)
+               for tree in (False, True)] + [(2, 4, 1, True)]
+  for per, warps, splits, use_tree in settings:
+    def attend(q, pk, pv, table, lengths, start, tree, per=per, warps=warps, splits=splits,
+               use_tree=use_tree):
+      return paged_attention.paged_attention(q, pk, pv, table, lengths, start, layer=1,
+                                             implementation="pallas", pages_per_block=per,
+                                             num_warps=warps, num_splits=splits,
+                                             tree_mask=tree if use_tree else None)
+    text = jax.jit(attend).trace(q, pool, pool, table, rows, rows, tree).lower(
+        lowering_platforms=("cuda",)).as_text()
+    key = (per, warps, splits, use_tree)
+    assert re.findall(r"custom_call @(\S+)\(", text) == ["__gpu$xla.gpu.triton"], key
+    found = re.findall(r"num_warps = (\d+)", text)  # None: Triton's default
+    assert len(found) == 1 and warps in (None, int(found[0])), (key, found)
+    grid = [int(n) for n in re.findall(r"grid_[xyz] = (\d+)", text)]
+    assert grid == [4, 8, min(splits, 8 // per)], (key, grid)
+
+
+def _gpu_shaped_problem(seed, t, dtype, width=16, num_pages=40):
+  """The GPU kernel's real shapes, small: Dh 128, pages of 16, 8 query heads over 2 kv heads, a
+  stacked pool of 2 layers (attention reads layer 1). Four rows: a long one (15 of its 16 pages,
+  ending mid-page, so several splits share it), a short one (2 pages: later splits find nothing
+  to read), a padding row (no pages, a stale length: it returns 0), and a row with a hole (a
+  NO_PAGE entry) whose length stops 2 keys past its start (its later queries see only those)."""
+  rng = np.random.default_rng(seed)
+  length = np.array([15 * 16 - 5, 2 * 16 - 3, 45, 8 * 16 - 7], np.int32)
+  start = length - t
+  lengths = length.copy()
+  lengths[3] = start[3] + min(t, 2)
+  used = -(-length // 16)
+  used[2] = 0
+  table = _random_table(rng, 4, width, num_pages, used)
+  table[3, 1] = NO_PAGE
+  pool_k, pool_v = (jnp.asarray(rng.normal(size=(2, 2, num_pages, 16, 128)), dtype)
+                    for _ in range(2))
+  q = jnp.asarray(rng.normal(size=(4, t, 8, 128)), dtype)
+  return q, pool_k, pool_v, table, lengths, start
+
+
+def _compare_with_reference(got, args, tree=None):
+  """got against the reference over the same inputs in float32: float32 to 2e-6 (values O(1));
+  bfloat16 within 2^-8 of the largest |v| the pool holds, the kernel's own roundings to bf16
+  (each <= 2^-9 relative): the probabilities before P @ V (sum_j p_j d_j v_j / sum_j p_j,
+  |d_j| <= 2^-9, moves the output by <= 2^-9 max|v|) and the output itself (<= 2^-9 |out|,
+  |out| <= max|v|); products of bf16 inputs are exact in float32 and every sum is float32."""
+  q, pool_k, pool_v, table, lengths, start = args
+  f32 = [jnp.asarray(x, jnp.float32) for x in (q, pool_k, pool_v)]
+  want = paged_attention.paged_attention_reference(*f32, table, lengths, start,
+                                                   layer=jnp.int32(1), tree_mask=tree)
+  atol = 2e-6 if q.dtype == jnp.float32 else 2.0 ** -8 * float(jnp.max(jnp.abs(f32[2][1])))
+  chex.assert_shape(got, q.shape)
+  assert got.dtype == q.dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=atol, rtol=0)
+  np.testing.assert_array_equal(np.asarray(got[2], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("per", [1, 4])
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("t,dtype", [(1, jnp.float32), (5, jnp.bfloat16), (1, jnp.bfloat16),
+                                     (5, jnp.float32)], ids=["decode-f32", "verify-bf16",
+                                                             "decode-bf16", "verify-f32"])
+def test_pallas_kernel_at_gpu_shapes_split_over_pages_equals_reference(t, dtype, splits, per):
+  """The kernel (interpret mode) at the GPU's shapes, one program per (row, kv head) or each
+  row's pages split over 2 or 4 programs and combined, 1 or 4 pages per loop step."""
+  args = _gpu_shaped_problem(300 + t, t, dtype)
+  got = jax.jit(lambda *a: paged_attention.paged_attention(
+      *a, layer=jnp.int32(1), implementation="pallas", interpret=True, pages_per_block=per,
+      num_splits=splits))(*args)
+  _compare_with_reference(got, args)
+
+
+def test_choose_num_splits_fills_the_gpu_up_to_the_loop_steps(monkeypatch):
+  choose = paged_attention.choose_num_splits
+  assert choose(1, 8, 256) == 17  # ceil(132 / 8) programs per (row, kv head)
+  assert choose(4, 8, 256, 4) == 5 and choose(8, 2, 64, 2, target_programs=64) == 4
+  assert choose(64, 8, 256) == 1 and choose(17, 8, 256) == 1  # enough programs already
+  assert choose(1, 2, 8) == 8 and choose(1, 2, 8, 4) == 2 and choose(1, 1, 3, 4) == 1
+  # the default is no split; `NUM_SPLITS = None` makes it the automatic choice per shape, with
+  # the reference's values (6 splits of a 6-page table here)
+  q, _, _, pool_k, pool_v, table, lengths, start = _problem(9, 1, 4, batch=3)
+  args = (q, pool_k, pool_v, table, lengths, start)
+  assert paged_attention.NUM_SPLITS == 1 and choose(3, HKV, 6) == 6
+  monkeypatch.setattr(paged_attention, "NUM_SPLITS", None)
+  got = paged_attention.paged_attention(*args, implementation="pallas", interpret=True)
+  np.testing.assert_allclose(got, paged_attention.paged_attention_reference(*args), atol=2e-6)
+  if importlib.util.find_spec("jax.experimental.pallas.triton") is not None:
+    text = jax.jit(lambda q, k, v: paged_attention.paged_attention(
+        q, k, v, table[:, :4], lengths, start, implementation="pallas")).trace(
+        jax.ShapeDtypeStruct((3, 1, 4, 16), jnp.bfloat16),
+        *[jax.ShapeDtypeStruct((HKV, 30, 16, 16), jnp.bfloat16)] * 2).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.findall(r"grid_[xyz] = (\d+)", text) == ["3", "2", "4"]  # min(22, 4 pages)
+
+
+def test_combine_splits_weighs_each_split_by_its_max():
+  """Two splits' partial softmaxes of one query over keys with scores (0, 1 | 3) and values
+  (1, 2 | 4), and a query no split saw a key for (0, not NaN)."""
+  e = np.exp
+  o = np.array([[[e(0 - 1) * 1 + e(1 - 1) * 2], [0.0]], [[e(0.0) * 4], [0.0]]], np.float32)
+  m = np.array([[1.0, -1e30], [3.0, -1e30]], np.float32)
+  l = np.array([[e(-1) + 1, 0.0], [1.0, 0.0]], np.float32)
+  got = paged_attention.combine_splits(o, m, l)
+  want = (e(0) * 1 + e(1) * 2 + e(3) * 4) / (e(0) + e(1) + e(3))
+  np.testing.assert_allclose(got, [[want], [0.0]], rtol=1e-6)
+
+
+def _random_tree(rng, batch, t):
+  """bool [B, T, T]: each new token's ancestors and itself in a random tree of drafts (token n's
+  parent an earlier token or the committed prefix), but for row 0's last query, which sees no
+  new key at all (not even its own; the semantics allow it), only the keys before the block."""
+  tree = np.zeros((batch, t, t), bool)
+  for b in range(batch):
+    for n in range(t):
+      parent = int(rng.integers(-1, n))
+      tree[b, n] = tree[b, parent] if parent >= 0 else False
+      tree[b, n, n] = True
+  tree[0, t - 1] = False
+  return tree
+
+
+def test_tree_mask_in_the_reference_and_chunked_paths():
+  """A tree's mask among the T new queries: the reference equals dense attention under the same
+  mask (earlier keys as without a tree), the chunked path equals the reference, and a causal
+  tree (lower triangle) changes nothing."""
+  t, heads = 5, 4
+  q, k, v, pool_k, pool_v, table, lengths, start = _problem(11, t, heads)
+  lengths[1] = start[1] + 3  # the last two queries of row 1 see only three new keys
+  start[2], lengths[2] = 0, t  # row 2's first query, seeing no new key, sees nothing: 0
+  tree = _random_tree(np.random.default_rng(12), 4, t)
+  tree[2, 0, 0] = False
+  args = (q, pool_k, pool_v, table, lengths, start)
+  kpos = np.arange(k.shape[1])
+  rel = kpos[None, None, :] - start[:, None, None]
+  new = (rel >= 0) & (rel < t)
+  mask = np.where(new, np.take_along_axis(tree, np.clip(rel, 0, t - 1).repeat(t, 1), axis=2),
+                  rel < 0) & (kpos[None, None, :] < lengths[:, None, None])
+  want = attend_cache(q, jnp.transpose(k, (0, 2, 3, 1)), jnp.transpose(v, (0, 2, 1, 3)),
+                      jnp.asarray(mask))
+  got = paged_attention.paged_attention_reference(*args, tree_mask=tree)
+  np.testing.assert_allclose(got, want, atol=2e-6)
+  np.testing.assert_array_equal(got[2, 0], 0.0)
+  chunked = jax.jit(lambda *a: paged_attention.paged_attention_chunked(
+      *a, chunk=2 * PAGE, min_bytes=0, tree_mask=tree))(*args)
+  np.testing.assert_allclose(chunked, got, atol=2e-6)
+  causal = np.broadcast_to(np.tril(np.ones((t, t), bool)), (4, t, t))
+  for impl in ("reference", "chunked"):
+    np.testing.assert_allclose(
+        paged_attention.paged_attention(*args, implementation=impl, tree_mask=causal),
+        paged_attention.paged_attention_reference(*args), atol=2e-6)
+  with pytest.raises(ValueError, match="tree_mask: expected"):
+    paged_attention.paged_attention_reference(*args, tree_mask=tree[:, :2])
+
+
+@pytest.mark.parametrize("splits,per,dtype", [(1, 1, jnp.float32), (4, 1, jnp.bfloat16),
+                                              (2, 4, jnp.float32)])
+def test_tree_mask_in_the_pallas_kernel(splits, per, dtype):
+  """The kernel (interpret mode, GPU shapes) with a tree's mask among its 5 verify tokens."""
+  args = _gpu_shaped_problem(400 + splits, 5, dtype)
+  tree = _random_tree(np.random.default_rng(13), 4, 5)
+  got = jax.jit(lambda *a: paged_attention.paged_attention(
+      *a, layer=jnp.int32(1), implementation="pallas", interpret=True, pages_per_block=per,
+      num_splits=splits, tree_mask=tree))(*args)
+  _compare_with_reference(got, args, tree)
 
 
 @pytest.mark.parametrize("t,heads,layer,width", [(1, 4, None, 6), (5, 4, 1, 5), (3, 2, None, 5)])
@@ -278,9 +436,12 @@ def test_paged_attention_dispatch():
     paged_attention.paged_attention(*args, layer=0)
   with pytest.raises(ValueError, match="pages_per_block=3"):
     paged_attention.paged_attention(*args, implementation="pallas", interpret=True, pages_per_block=3)
+  with pytest.raises(ValueError, match="num_splits=0"):
+    paged_attention.paged_attention(*args, implementation="pallas", interpret=True, num_splits=0)
   # launch settings are the kernel's; the other paths ignore them (one config for every backend)
   np.testing.assert_array_equal(
-      paged_attention.paged_attention(*args, implementation="chunked", pages_per_block=4, num_warps=4),
+      paged_attention.paged_attention(*args, implementation="chunked", pages_per_block=4,
+                                      num_warps=4, num_splits=4),
       paged_attention.paged_attention(*args, implementation="chunked"))
 
 

@@ -22,6 +22,7 @@ from specjax.drafters import (DraftModelDrafter, NgramDrafter, eagle3_drafter, i
                               init_head, mtp_drafter, truncated_copy)
 from specjax.models import Decoder
 from specjax.models.paged import PagedKV
+from specjax.models.tree import DraftTree
 from specjax.sampling import (STATIC, EngineConfig, SamplingConfig, generate,
                               speculative_generate)
 from specjax.sampling.engine_config import (AdaptiveConfig, BucketConfig, CompileConfig,
@@ -153,6 +154,26 @@ def test_greedy_paged_mtp_equals_the_plain_loop(page_checks):
                              GREEDY, engine=paged(40))
   assert_same_rollout(out, static)
   assert page_checks.drafter_paged
+
+
+@pytest.mark.parametrize("num_pages", [150, 24])
+def test_greedy_paged_draft_trees_equal_the_plain_loop(target, static_ar, page_checks, num_pages):
+  """A draft tree on pages: the target's first layer as the draft, its 2 best candidates at each
+  of K = 3 depths, so a verify writes 7 nodes and the accepted path (an alternative where the
+  chain's draft is rejected) is moved to a chain's positions through the page table. Rows take
+  pages for the tree's nodes, not K + 1 (else a row that must wait for pages would wait for
+  ever). 150 pages of target KV (the draft's KV on the same pages: 100 pages of both, a row
+  needs at most 10): rows never wait; 24 (16 pages): rows wait and are swapped out and back.
+  Refills at the fixed fraction, so whether rows wait does not hang on the machine's load."""
+  drafter, params = DraftModelDrafter.from_model(truncated_copy(target, 1), 3, tree_width=2)
+  out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                             GREEDY, engine=paged(num_pages, adaptive=False,
+                                                  refill_from_costs=False))
+  assert_same_rollout(out, static_ar)
+  assert page_checks.drafter_paged
+  assert all((s.draft_len, s.tree_width) == (3, 2) for s in out.segments)
+  swaps = sum(s.swapped_out for s in out.segments)
+  assert swaps > 0 if num_pages == 24 else swaps == 0
 
 
 def test_a_paged_run_holds_its_pool_once_whichever_bucket_steps(target, static_ar, monkeypatch):
@@ -296,22 +317,23 @@ def test_a_pool_too_small_for_one_row_is_a_clear_error(target):
 
 
 def test_the_kernels_launch_settings_reach_every_paged_attention(target, static_ar, monkeypatch):
-  """`EngineConfig.paging.kernel_pages` / `kernel_warps` travel with the target's and the draft
+  """`EngineConfig.paging.kernel_pages` / `kernel_warps` / `kernel_splits` travel with the target's and the draft
   model's pools into every paged attention call (the GPU kernel's launch; the CPU path ignores
   them), and the rollout is the plain loop's."""
   from specjax.models import paged as paged_lib
   seen, real = set(), paged_lib.paged_attention
 
   def recorded(*args, **kw):
-    seen.add((kw.get("pages_per_block"), kw.get("num_warps")))
+    seen.add((kw.get("pages_per_block"), kw.get("num_warps"), kw.get("num_splits")))
     return real(*args, **kw)
 
   monkeypatch.setattr(paged_lib, "paged_attention", recorded)
   drafter, params = DraftModelDrafter.from_model(truncated_copy(target, 1), 3)
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(0),
-                             GREEDY, engine=paged(60, kernel_pages=4, kernel_warps=2))
+                             GREEDY, engine=paged(60, kernel_pages=4, kernel_warps=2,
+                                                  kernel_splits=2))
   assert_same_rollout(out, static_ar)
-  assert seen == {(4, 2)}
+  assert seen == {(4, 2, 2)}
 
 
 def collective_sizes(hlo: str) -> list[int]:
@@ -379,6 +401,47 @@ def test_decoder_forward_over_pages_equals_the_dense_cache(target):
   a = target(tokens[:, :3], cache=a.cache.advance(step))
   b = target(tokens[:, :3], cache=b.cache.advance(step).with_window(12))
   np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_draft_tree_over_pages_scores_and_keeps_its_path_as_the_dense_cache(target, sharded):
+  """A verify forward over a draft tree (K = 3, 3 candidates per depth: 10 nodes) on scattered
+  pages gives the dense cache's logits; its accepted paths (the chain, alternatives at two
+  depths, rows of different lengths) moved to a chain's positions (`keep_path`), the next
+  forward does too. Without the tree mask, or without the move, it would not. `sharded`: the
+  pool split over 4 data-parallel replicas (and kv heads over 2), each row on its replica's
+  pages, the tree's attention and the move run per replica."""
+  rng = np.random.default_rng(1)
+  mesh = make_mesh(MeshConfig(4, 1, 2)) if sharded else None
+  model = shard_model(nnx.clone(target), mesh) if sharded else target
+  tokens = jnp.asarray(rng.integers(1, 32, (4, 7)), jnp.int32)
+  table = np.full((4, 8), -1, np.int32)
+  for r in range(4):  # row r on pages of replica r (8 pages each)
+    table[r, :6] = 8 * r + rng.permutation(8)[:6]
+  pool = PagedKV.create(CFG.num_layers, 32, PAGE, 4, 8, CFG.num_kv_heads, CFG.head_dim,
+                        mesh=mesh).with_page_table(table)
+  dense, paged_ = target(tokens, cache=target.init_cache(4, 32)), model(tokens, cache=pool)
+  tree = DraftTree(3, 3)
+  nodes = jnp.asarray(rng.integers(1, 32, (4, tree.nodes)), jnp.int32)
+  start = jnp.array([7, 5, 3, 6])
+  a = target(nodes, cache=dense.cache.advance(start), tree=tree)
+  b = model(nodes, cache=paged_.cache.advance(start), tree=tree)
+  np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
+  if not sharded:
+    chain = target(nodes, cache=paged_.cache.advance(start))
+    assert np.abs(chain.logits - b.logits).max() > 1e-2  # (the tree mask matters)
+  # row 0 the whole chain; row 1 depth 1's second alternative (node 5; an alternative is a
+  # leaf); row 2 the chain's first draft, then depth 2's second alternative (node 7); row 3
+  # the chain's first two drafts, then depth 3's first alternative (node 8)
+  path = jnp.array([[0, 1, 2, 3], [0, 5, 0, 0], [0, 1, 7, 0], [0, 1, 2, 8]], jnp.int32)
+  kept = jnp.array([4, 2, 3, 4])  # positions each row commits of its path
+  nxt = jnp.asarray(rng.integers(1, 32, (4, 2)), jnp.int32)
+  a = target(nxt, cache=a.cache.keep_path(path, tree.nodes).advance(kept))
+  moved = model(nxt, cache=b.cache.keep_path(path, tree.nodes).advance(kept))
+  np.testing.assert_allclose(a.logits, moved.logits, rtol=1e-5, atol=1e-5)
+  if not sharded:
+    unmoved = target(nxt, cache=b.cache.advance(kept))
+    assert np.abs(unmoved.logits - moved.logits)[1:].max() > 1e-2  # (the move matters)
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "draft_model", "mtp"])

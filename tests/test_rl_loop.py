@@ -250,17 +250,17 @@ def test_invalid_config_values_fail_with_the_field_named(tmp_path):
     DraftConfig(tree_width=0)
   with pytest.raises(ValueError, match="DraftConfig.tree_depth"):
     DraftConfig(tree_depth=-1)
-  # a draft tree needs a drafter that ranks its candidates, and dense caches
+  # a draft tree needs a drafter that ranks its candidates; dense or paged KV memory
   model_cfg = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=1,
                           num_kv_heads=1, head_dim=8, mlp_hidden=16)
   graphdef = nnx.split(Decoder(model_cfg, rngs=nnx.Rngs(0)))[0]
   with pytest.raises(ValueError, match="DraftConfig.tree_width=2: the 'ngram' drafter"):
     build_drafter(RLConfig(draft=DraftConfig(kind="ngram", tree_width=2)), graphdef, model_cfg)
-  with pytest.raises(ValueError, match="DraftConfig.tree_width=2: draft trees .* dense"):
-    build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2),
-                           rollout=RolloutConfig(engine=RolloutConfig.engine.replace(
-                               paging=dict(kv_cache_gb=0.01)))), graphdef,
-                  model_cfg.replace(mtp=True))
+  drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2),
+                                      rollout=RolloutConfig(engine=RolloutConfig.engine.replace(
+                                          paging=dict(kv_cache_gb=0.01)))), graphdef,
+                             model_cfg.replace(mtp=True))
+  assert drafter.tree_width == 2  # trees run on pages too
   drafter, _ = build_drafter(RLConfig(draft=DraftConfig(kind="mtp", tree_width=2, tree_depth=1,
                                                         tree_argmax=True)),
                              graphdef, model_cfg.replace(mtp=True))

@@ -270,8 +270,8 @@ def test_dense_and_paged_runs_keep_separate_costs():
   statics = {program_statics(e) for e in (
       dense, paged, paged.replace(paging=dict(page_size=8)),
       paged.replace(paging=dict(kernel_pages=4)), paged.replace(paging=dict(kernel_warps=2)),
-      dense.replace(buckets=dict(window_block=16)))}
-  assert len(statics) == 6
+      paged.replace(paging=dict(kernel_splits=2)), dense.replace(buckets=dict(window_block=16)))}
+  assert len(statics) == 7
   target = Decoder(SMALL, rngs=nnx.Rngs(0))
   tuning = EngineTuning()
   timed = {}

@@ -16,8 +16,8 @@ from specjax.drafters import DraftModelDrafter, NgramDrafter
 from specjax.drafters.draft_model import truncated_copy
 from specjax.sampling import engine, speculative
 from specjax.sampling import STATIC, EngineConfig
-from specjax.sampling.engine_config import (BucketConfig, CalibrationConfig, PagingConfig,
-                                            QueueConfig)
+from specjax.sampling.engine_config import (AdaptiveConfig, BucketConfig, CalibrationConfig,
+                                            PagingConfig, QueueConfig)
 import stats
 
 # the same tiny target, prompts and greedy config as test_drafters (programs are shared)
@@ -119,15 +119,23 @@ def test_greedy_draft_trees_equal_greedy_autoregressive(target, greedy_runs, wid
   assert accepted > chain_accepted  # the alternatives were accepted where the chain was not
 
 
-def test_draft_trees_need_a_ranking_drafter_and_dense_caches(target):
+def test_draft_trees_need_a_ranking_drafter_and_run_on_pages(target, greedy_runs):
   with pytest.raises(ValueError, match="drafts chains only"):
     speculative_generate(target, NgramDrafter(K, n=2, tree_width=2), (), PROMPTS,
                          PROMPT_LENGTHS, jax.random.key(1), GREEDY)
+  # paged KV memory verifies trees too (tests/test_paged_engine.py), of at most
+  # MAX_TREE_TOKENS nodes (K = 11, 3 candidates per depth: 34)
+  paged = EngineConfig(queue=QueueConfig(max_rows=4), paging=PagingConfig(kv_cache_gb=0.01),
+                       adaptive=AdaptiveConfig(enabled=False))
   drafter, params = DraftModelDrafter.from_model(target, K, tree_width=2)
-  with pytest.raises(ValueError, match="dense caches"):
-    speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
-                         GREEDY, engine=EngineConfig(queue=QueueConfig(max_rows=4),
-                                                     paging=PagingConfig(kv_cache_gb=0.01)))
+  out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),
+                             GREEDY, engine=paged)
+  np.testing.assert_array_equal(out.tokens, greedy_runs[0].tokens)
+  np.testing.assert_array_equal(out.lengths, greedy_runs[0].lengths)
+  with pytest.raises(ValueError, match="at most 32 nodes.*has 34"):
+    speculative_generate(target, DraftModelDrafter.from_model(target, 11, tree_width=3)[0],
+                         params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY,
+                         engine=paged)
   with pytest.raises(ValueError, match="tree_width must be an int >= 1"):
     speculative_generate(target, DraftModelDrafter.from_model(target, K, tree_width=0)[0],
                          params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1), GREEDY)
@@ -194,9 +202,14 @@ def ar_samples(target):
 
 
 @pytest.fixture(scope="module",
-                params=["draft_model", "ngram", "draft_model_tree", "draft_model_tree_argmax"])
+                params=["draft_model", "ngram", "draft_model_tree", "draft_model_tree_argmax",
+                        "draft_model_tree_paged"])
 def spec_samples(request, target):
   prompts, lengths = stat_prompts()
+  engine = ENGINE
+  if request.param.endswith("_paged"):  # the tree on paged KV memory at every step (K fixed)
+    engine = ENGINE.replace(paging=dict(kv_cache_gb=0.1, page_size=4, page_ahead=4),
+                            adaptive=dict(enabled=False))
   if request.param == "ngram":
     drafter, params = NgramDrafter(K, n=2), ()
   else:  # an unrelated random draft: q far from p, the residual correction matters
@@ -209,7 +222,7 @@ def spec_samples(request, target):
         other, K, tree_width=3 if tree else 1, tree_depth=1 if argmax else 0,
         tree_argmax=argmax)
   return request.param, speculative_generate(target, drafter, params, prompts, lengths,
-                                             jax.random.key(20), SAMPLE, engine=ENGINE)
+                                             jax.random.key(20), SAMPLE, engine=engine)
 
 
 def test_temperature_one_speculative_matches_autoregressive_distribution(ar_samples,

@@ -30,16 +30,20 @@ class DecoderOutput:
 def positions_and_mask(batch: int, seq: int, cache: KVCache | None, positions=None,
                        tree: DraftTree | None = None):
   """Absolute positions [B, T] of the new tokens and the attention mask [B, T, S]. With a
-  `tree` (a dense cache; T = tree.nodes), token t sits at position lengths + depth(t) and sees
-  the committed cache and its ancestors in the tree, whose entries it writes at lengths + t."""
+  `tree` (a cache; T = tree.nodes), token t sits at position lengths + depth(t) and sees the
+  committed cache and its ancestors in the tree, whose entries it writes at lengths + t. A paged
+  cache masks by position itself: its mask is None, or with a tree the tree's own [B, T, T]
+  (`PagedKV.layer_view`)."""
   if tree is not None:
-    if not isinstance(cache, KVCache):
-      raise ValueError("a draft tree is verified over a dense KVCache (paged caches and "
-                       "cacheless forwards take chains only)")
+    if not isinstance(cache, (KVCache, PagedKV)):
+      raise ValueError("a draft tree is verified over a KV cache (cacheless forwards take "
+                       "chains only)")
     if seq != tree.nodes:
       raise ValueError(f"a forward over {tree} takes "
                        f"{tree.nodes} tokens, got {seq}")
     positions = cache.lengths[:, None] + jnp.asarray(tree.depths)[None]
+    if isinstance(cache, PagedKV):
+      return positions, jnp.broadcast_to(jnp.asarray(tree.ancestors), (batch, seq, seq))
     rel = jnp.arange(cache.visible, dtype=jnp.int32)[None, :] - cache.lengths[:, None]  # [B, S]
     inside = (rel >= 0) & (rel < seq)
     anc = jnp.asarray(tree.ancestors)[:, jnp.clip(rel, 0, seq - 1)]  # [T, B, S]
@@ -128,8 +132,8 @@ class Decoder(nnx.Module):
                compute_logits: bool = True, tree: DraftTree | None = None) -> DecoderOutput:
     """`segment_ids` int[B, T] (no cache): packed rows, several sequences in a row; a token
     attends only to the earlier tokens of its own segment, at the `positions` given (each
-    sequence's own, from 0). `tree` (static, with a dense cache): the T tokens are the nodes of
-    a draft tree (`positions_and_mask`)."""
+    sequence's own, from 0). `tree` (static, with a cache, dense or paged): the T tokens are
+    the nodes of a draft tree (`positions_and_mask`)."""
     b, t = tokens.shape
     if segment_ids is not None:
       if cache is not None or positions is None:
@@ -150,8 +154,8 @@ class Decoder(nnx.Module):
     for i, layer in enumerate(self.layers):
       if i in aux_ids:
         aux[i] = x
-      if paged:  # each layer writes into and reads from the shared pool
-        x, pool = layer(x, positions, None, cache.layer_view(i), cache.lengths)
+      if paged:  # each layer writes into and reads from the shared pool (mask: a tree's)
+        x, pool = layer(x, positions, None, cache.layer_view(i, mask), cache.lengths)
         cache = cache.replace(k=pool.k, v=pool.v)
       elif cache is None:
         x, _ = remat_layer(layer, self.cfg.remat)(x, positions, mask, None, None, None, segments)

@@ -39,7 +39,8 @@ from jax.sharding import NamedSharding
 
 from specjax.models.paged_attention import NO_PAGE, paged_attention, stacked_pools
 
-__all__ = ["NO_PAGE", "POOL_AXES", "PagedKV", "PagedLayer", "copy_pages", "pool_spec", "write"]
+__all__ = ["NO_PAGE", "POOL_AXES", "PagedKV", "PagedLayer", "copy_pages", "keep_path", "pool_spec",
+           "write"]
 
 # logical axes of a pool [L, Hkv, num_pages, page_size, Dh] (`specjax.sharding.rules`): pages on
 # the batch axes, as the rows that hold them
@@ -59,15 +60,16 @@ class PagedKV:
   # the Pallas kernel's launch settings (static; 0: its defaults), `paged_attention_pallas`
   kernel_pages: int = struct.field(pytree_node=False, default=0)
   kernel_warps: int = struct.field(pytree_node=False, default=0)
+  kernel_splits: int = struct.field(pytree_node=False, default=0)
 
   @classmethod
   def create(cls, num_layers: int, num_pages: int, page_size: int, batch: int,
              max_pages_per_row: int, num_kv_heads: int, head_dim: int,
              dtype=jnp.float32, mesh: jax.sharding.Mesh | None = None, kernel_pages: int = 0,
-             kernel_warps: int = 0) -> PagedKV:
+             kernel_warps: int = 0, kernel_splits: int = 0) -> PagedKV:
     """An empty pool. With `mesh`, `num_pages` is the whole pool's (the data-parallel size
-    times each replica's), made on the devices in place. `kernel_pages`, `kernel_warps`: the
-    GPU kernel's launch settings (0: its defaults)."""
+    times each replica's), made on the devices in place. `kernel_pages`, `kernel_warps`,
+    `kernel_splits`: the GPU kernel's launch settings (0: its defaults)."""
     shape = (num_layers, num_kv_heads, num_pages, page_size, head_dim)
     zeros = lambda: jnp.zeros(shape, dtype)
     if mesh is not None:
@@ -76,7 +78,7 @@ class PagedKV:
     return cls(k=zeros(), v=zeros(),
                page_table=jnp.full((batch, max_pages_per_row), NO_PAGE, jnp.int32),
                lengths=jnp.zeros((batch,), jnp.int32), mesh=mesh, kernel_pages=kernel_pages,
-               kernel_warps=kernel_warps)
+               kernel_warps=kernel_warps, kernel_splits=kernel_splits)
 
   @property
   def num_layers(self) -> int:
@@ -115,8 +117,10 @@ class PagedKV:
     held = (self.page_table >= 0) & (self.page_table < self.num_pages)
     return jnp.sum(held, axis=1, dtype=jnp.int32) * self.page_size
 
-  def layer_view(self, layer: int) -> PagedLayer:
-    return PagedLayer(pool=self, layer=layer)
+  def layer_view(self, layer: int, tree_mask: jax.Array | None = None) -> PagedLayer:
+    """`layer` as a decoder layer's attention takes it; `tree_mask` bool [B, T, T]: the T new
+    tokens are a draft tree's nodes (`paged_attention`)."""
+    return PagedLayer(pool=self, layer=layer, tree_mask=tree_mask)
 
   def advance(self, n: jax.Array) -> PagedKV:
     """Commit `n[b]` freshly written entries of row b."""
@@ -128,6 +132,19 @@ class PagedKV:
   def with_page_table(self, page_table: jax.Array) -> PagedKV:
     return self.replace(page_table=jnp.asarray(page_table, jnp.int32))
 
+  def keep_path(self, path: jax.Array, nodes: int | None = None) -> PagedKV:
+    """After a forward over a draft tree (node t written at lengths + t): the entries of the
+    nodes on `path` int32[B, P] moved to lengths + 0 .. P - 1 in every layer, through the page
+    table, where the next steps read them as a chain (`KVCache.keep_path`; `nodes` is not needed
+    here: the positions map to pages one by one)."""
+    path = jnp.asarray(path, jnp.int32)
+    if self.mesh is None:
+      pk, pv = keep_path(self.k, self.v, self.page_table, self.lengths, path)
+    else:
+      pk, pv = _keep_path_on_replicas(self.mesh, self.k, self.v, self.page_table, self.lengths,
+                                      path)
+    return self.replace(k=pk, v=pv)
+
   def write(self, layer, k: jax.Array, v: jax.Array, start: jax.Array | None = None) -> PagedKV:
     """Write k/v [B, T, Hkv, Dh] of `layer` at `start` (default: the committed lengths)."""
     start = self.lengths if start is None else start
@@ -138,18 +155,21 @@ class PagedKV:
                                   jnp.asarray(layer, jnp.int32))
     return self.replace(k=pk, v=pv)
 
-  def attention(self, layer, q: jax.Array, start: jax.Array | None = None, **kwargs) -> jax.Array:
+  def attention(self, layer, q: jax.Array, start: jax.Array | None = None,
+                tree_mask: jax.Array | None = None, **kwargs) -> jax.Array:
     """`paged_attention` of queries q [B, T, H, Dh] at `start` (default: the committed lengths)
-    over `layer`, after their own keys were written: each row sees start + T keys."""
+    over `layer`, after their own keys were written: each row sees start + T keys (with
+    `tree_mask` [B, T, T], of the new ones only those the mask names)."""
     start = self.lengths if start is None else start
     kwargs = dict(pages_per_block=self.kernel_pages or None,
-                  num_warps=self.kernel_warps or None, **kwargs)
+                  num_warps=self.kernel_warps or None, num_splits=self.kernel_splits or None,
+                  **kwargs)
     if self.mesh is None:
       return paged_attention(q, self.k, self.v, self.page_table, start + q.shape[1], start,
-                             layer=layer, **kwargs)
+                             layer=layer, tree_mask=tree_mask, **kwargs)
     return _attention_on_replicas(self.mesh, q, self.k, self.v, self.page_table,
                                   start + q.shape[1], start, jnp.asarray(layer, jnp.int32),
-                                  **kwargs)
+                                  tree_mask, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,14 +180,18 @@ class PagedLayer:
 
   pool: PagedKV
   layer: int
+  # bool [B, T, T] (None: a chain): the T new tokens are a draft tree's nodes, query i sees new
+  # key j iff tree_mask[b, i, j] (`specjax.models.tree`)
+  tree_mask: jax.Array | None = None
 
   def write_and_attend(self, q: jax.Array, k: jax.Array, v: jax.Array,
                        start: jax.Array) -> tuple[jax.Array, PagedKV]:
     """Write k/v [B, T, Hkv, Dh] at `start`, then attend q [B, T, H, Dh] over each row's keys
-    up to its own position. Returns (attended [B, T, H, Dh], the updated pool)."""
+    up to its own position (a tree: its ancestors among the new keys). Returns (attended
+    [B, T, H, Dh], the updated pool)."""
     pool = self.pool.write(self.layer, k, v, start)
     visible = self.pool.visible
-    out = pool.attention(self.layer, q, start,
+    out = pool.attention(self.layer, q, start, tree_mask=self.tree_mask,
                          max_len=None if visible >= pool.size else visible)
     return out, pool
 
@@ -218,20 +242,36 @@ def _write_on_replicas(mesh, pool_k, pool_v, k, v, page_table, start, layer):
       pool_k, pool_v, k, v, page_table, jnp.asarray(start, jnp.int32), layer)
 
 
-def _attention_on_replicas(mesh, q, pool_k, pool_v, page_table, lengths, start, layer, **kwargs):
+def _attention_on_replicas(mesh, q, pool_k, pool_v, page_table, lengths, start, layer,
+                           tree_mask=None, **kwargs):
   from jax.sharding import PartitionSpec as P
   pool, row, heads, axes = _replica_specs(mesh, pool_k.shape, page_table.shape[0])
   queries = P(row[0], None, heads, None)
+  tree = () if tree_mask is None else (jnp.asarray(tree_mask, bool),)  # per row, as the rows
 
-  def local(q, pk, pv, table, lengths, start, layer):
+  def local(q, pk, pv, table, lengths, start, layer, *tree):
     return paged_attention(q, pk, pv, _local_ids(table, pk.shape[2], axes), lengths, start,
-                           layer=layer, **kwargs)
+                           layer=layer, tree_mask=tree[0] if tree else None, **kwargs)
 
   return jax.shard_map(local, mesh=mesh,
-                       in_specs=(queries, pool, pool, P(row[0], None), row, row, P()),
+                       in_specs=(queries, pool, pool, P(row[0], None), row, row, P())
+                       + (P(row[0], None, None),) * len(tree),
                        out_specs=queries, check_vma=False)(
       q, pool_k, pool_v, page_table, jnp.asarray(lengths, jnp.int32),
-      jnp.asarray(start, jnp.int32), layer)
+      jnp.asarray(start, jnp.int32), layer, *tree)
+
+
+def _keep_path_on_replicas(mesh, pool_k, pool_v, page_table, start, path):
+  from jax.sharding import PartitionSpec as P
+  pool, row, _, axes = _replica_specs(mesh, pool_k.shape, page_table.shape[0])
+
+  def local(pk, pv, table, start, path):
+    return keep_path(pk, pv, _local_ids(table, pk.shape[2], axes), start, path)
+
+  return jax.shard_map(local, mesh=mesh,
+                       in_specs=(pool, pool, P(row[0], None), row, P(row[0], None)),
+                       out_specs=(pool, pool), check_vma=False)(
+      pool_k, pool_v, page_table, jnp.asarray(start, jnp.int32), path)
 
 
 def _pages_at(page_table: jax.Array, positions: jax.Array, page_size: int,
@@ -263,6 +303,28 @@ def write(pool_k: jax.Array, pool_v: jax.Array, k: jax.Array, v: jax.Array,
   pk = pk.at[idx].set(k.astype(pk.dtype), mode="drop")
   pv = pv.at[idx].set(v.astype(pv.dtype), mode="drop")
   return (pk, pv) if stacked else (pk[0], pv[0])
+
+
+def keep_path(pool_k: jax.Array, pool_v: jax.Array, page_table: jax.Array, start: jax.Array,
+              path: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Every layer's k/v at position start[b] + path[b, j] of row b moved to start[b] + j, for the
+  P = path.shape[1] positions j, through each row's page table: a draft tree's accepted path
+  (nodes at start + node index) made a chain. Pools [L, Hkv, P, S, Dh]. Every entry is read
+  before any is written, so a path that reads where another of its entries lands is moved
+  whole; entries already in place (path[b, j] == j, the accepted chain) are not written, and
+  positions without a page read as zeros and write nowhere."""
+  _, _, num_pages, page_size, _ = pool_k.shape
+  start = jnp.asarray(start, jnp.int32)[:, None]
+  here = jnp.arange(path.shape[1], dtype=jnp.int32)[None, :]
+  src, dst = start + path, start + here  # [B, P]
+  src_page = _pages_at(page_table, src, page_size, num_pages)
+  dst_page = jnp.where(path == here, num_pages, _pages_at(page_table, dst, page_size, num_pages))
+
+  def move(pool):
+    moved = pool.at[:, :, src_page, src % page_size].get(mode="fill", fill_value=0)
+    return pool.at[:, :, dst_page, dst % page_size].set(moved, mode="drop")
+
+  return move(pool_k), move(pool_v)
 
 
 def copy_pages(pool: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:

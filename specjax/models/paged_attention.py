@@ -1,6 +1,7 @@
 """Attention over a paged KV pool: a pure-JAX reference, a pure-JAX path that reads only a row's
-live pages a chunk at a time, and a Pallas kernel (the device kernels of paged KV memory; the pool
-and its writes are `specjax.models.paged`).
+live pages a chunk at a time, and a Pallas kernel (`specjax.models.paged_kernel`), optionally
+split over each row's pages (the device kernels of paged KV memory; the pool and its writes are
+`specjax.models.paged`).
 
 Pools are [L, Hkv, num_pages, page_size, Dh] (or without the layer axis); token position p of row
 b lives in page `page_table[b, p // page_size]`, slot `p % page_size`. Page-table entries outside
@@ -10,7 +11,6 @@ empty.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import jax
@@ -18,11 +18,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from specjax.models import cache as cache_lib
-from specjax.models.attention import (online_softmax_init, online_softmax_result,
+from specjax.models.attention import (NEG_INF, online_softmax_init, online_softmax_result,
                                       online_softmax_step)
+from specjax.models.paged_kernel import (MAX_TREE_TOKENS, TARGET_PROGRAMS, choose_num_splits,
+                                         combine_splits, launch)
+
+__all__ = ["MAX_TREE_TOKENS", "NEG_INF", "NO_PAGE", "NUM_SPLITS", "NUM_WARPS", "PAGES_PER_BLOCK",
+           "TARGET_PROGRAMS", "choose_num_splits", "combine_splits", "paged_attention",
+           "paged_attention_chunked", "paged_attention_pallas", "paged_attention_reference",
+           "stacked_pools"]
 
 NO_PAGE = -1  # the page-table sentinel (the host allocator uses the same value)
-NEG_INF = -1e30
 
 
 def stacked_pools(pool_k, pool_v, layer):
@@ -45,13 +51,42 @@ def _pages_read(page_table: jax.Array, page_size: int, max_len: int | None) -> i
   return width if max_len is None else max(1, min(width, -(-int(max_len) // page_size)))
 
 
+def _checked_tree(tree_mask, b: int, t: int) -> jax.Array | None:
+  """tree_mask as bool [B, T, T] (None stays None), or ValueError naming what is wrong."""
+  if tree_mask is None:
+    return None
+  if tuple(jnp.shape(tree_mask)) != (b, t, t):
+    raise ValueError(f"tree_mask: expected [B, T, T] = {(b, t, t)}, got {jnp.shape(tree_mask)}")
+  if t > MAX_TREE_TOKENS:
+    raise ValueError(f"tree_mask: at most {MAX_TREE_TOKENS} new tokens, got T={t}")
+  return jnp.asarray(tree_mask, bool)
+
+
+def _visible(kpos: jax.Array, start: jax.Array, lengths: jax.Array, t: int,
+             tree: jax.Array | None) -> jax.Array:
+  """bool [B, T, K]: whether query t of row b (at start[b] + t) sees key position kpos[k]: a
+  key below lengths[b] that is at or before the query's own position or, with a tree [B, T, T],
+  before start[b] or the new key n (at start[b] + n) with tree[b, t, n]."""
+  qpos = start[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+  seen = kpos[None, None, :] <= qpos[:, :, None]
+  if tree is not None:
+    rel = kpos[None, :] - start[:, None]  # [B, K]
+    new = (rel >= 0) & (rel < t)
+    at = jnp.broadcast_to(jnp.clip(rel, 0, t - 1)[:, None, :], (qpos.shape[0], t, kpos.shape[0]))
+    seen = jnp.where(new[:, None, :], jnp.take_along_axis(tree, at, axis=2), seen)
+  return seen & (kpos[None, None, :] < lengths[:, None, None])
+
+
 def paged_attention_reference(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
                               page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
-                              layer=None, max_len: int | None = None) -> jax.Array:
+                              layer=None, max_len: int | None = None,
+                              tree_mask: jax.Array | None = None) -> jax.Array:
   """Attention of q [B, T, H, Dh] (H = G * Hkv) over each row's pages; query t of row b sits at
   position start[b] + t and sees the row's key positions j with j <= start[b] + t and
   j < lengths[b] (the keys written so far; for a forward that just wrote its T keys at `start`,
-  lengths = start + T). Positions on sentinel pages are empty; a query that sees no key returns 0.
+  lengths = start + T). With `tree_mask` [B, T, T] (the T new tokens as a tree of drafts), query t
+  sees new key n (position start[b] + n) iff tree_mask[b, t, n], and every earlier key as
+  without it. Positions on sentinel pages are empty; a query that sees no key returns 0.
   Float32 softmax; returns [B, T, H, Dh] in q's dtype.
 
   Gathers the first ceil(max_len / page_size) pages of each row (static; default all of the
@@ -67,9 +102,8 @@ def paged_attention_reference(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array
   k = pk[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * page_size, dh)
   v = pv[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, n * page_size, dh)
   kpos = jnp.arange(n * page_size, dtype=jnp.int32)
-  qpos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-  mask = ((kpos[None, None, :] <= qpos[:, :, None])
-          & (kpos[None, None, :] < jnp.asarray(lengths, jnp.int32)[:, None, None])
+  mask = (_visible(kpos, jnp.asarray(start, jnp.int32), jnp.asarray(lengths, jnp.int32), t,
+                   _checked_tree(tree_mask, b, t))
           & jnp.repeat(valid, page_size, axis=1)[:, None, :])  # [B, T, n*S]
   qg = q.reshape(b, t, hkv, h // hkv, dh)
   scores = jnp.einsum("btkgd,bksd->bkgts", qg, k, preferred_element_type=jnp.float32)
@@ -83,7 +117,8 @@ def paged_attention_reference(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array
 def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
                             page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
                             layer=None, max_len: int | None = None, chunk: int | None = None,
-                            min_bytes: int | None = None) -> jax.Array:
+                            min_bytes: int | None = None,
+                            tree_mask: jax.Array | None = None) -> jax.Array:
   """`paged_attention_reference`, reading the rows' pages a chunk of about `chunk` positions at a
   time (whole pages) with an online softmax, up to the last page any row has a visible key on: a
   dynamic trip count, so a step over short rows gathers only their first pages (as
@@ -99,13 +134,13 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
   n_max = -(-n // per)
   if n_max == 1 or b * hkv * n * page_size * dh * pk.dtype.itemsize < min_bytes:
     return paged_attention_reference(q, pk, pv, page_table, lengths, start, layer=layer,
-                                     max_len=max_len)
+                                     max_len=max_len, tree_mask=tree_mask)
+  tree = _checked_tree(tree_mask, b, t)
   per = -(-n // n_max)  # chunks of equal width covering the pages read
   table = jnp.asarray(page_table, jnp.int32)[:, :n]
-  lengths = jnp.asarray(lengths, jnp.int32)
-  qpos = jnp.asarray(start, jnp.int32)[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+  lengths, start = jnp.asarray(lengths, jnp.int32), jnp.asarray(start, jnp.int32)
   # a key is visible below min(length, last query + 1): read the pages up to the furthest one
-  extent = jnp.max(jnp.minimum(lengths, qpos[:, -1] + 1))
+  extent = jnp.max(jnp.minimum(lengths, start + t))
   steps = jnp.clip((extent + per * page_size - 1) // (per * page_size), 1, n_max)
   qg = q.reshape(b, t, hkv, h // hkv, dh).transpose(0, 2, 3, 1, 4)  # [B, Hkv, G, T, Dh]
   scale = 1.0 / math.sqrt(dh)
@@ -118,8 +153,7 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
     kc = pk[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, per * page_size, dh)
     vc = pv[layer, :, idx].transpose(0, 2, 1, 3, 4).reshape(b, hkv, per * page_size, dh)
     kpos = first * page_size + jnp.arange(per * page_size, dtype=jnp.int32)
-    mask = ((kpos[None, None, :] <= qpos[:, :, None])
-            & (kpos[None, None, :] < lengths[:, None, None])
+    mask = (_visible(kpos, start, lengths, t, tree)
             & (kpos >= i * per * page_size)[None, None, :]
             & jnp.repeat(valid, page_size, axis=1)[:, None, :])[:, None, None]  # [B,1,1,T,c]
     sc = jnp.einsum("bkgtd,bksd->bkgts", qg, kc, preferred_element_type=jnp.float32) * scale
@@ -131,126 +165,77 @@ def paged_attention_chunked(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
 
 
 # the kernel's launch settings (`paged_attention_pallas`): pages of K and V one loop step reads,
-# and Triton's warps per program (None: its default)
+# Triton's warps per program (None: its default), and splits of each row's pages over programs
+# (1: none, one program per (row, kv head); None: `choose_num_splits` for each shape)
 PAGES_PER_BLOCK = 1
 NUM_WARPS = None
-
-
-def _kernel(lengths_ref, start_ref, table_ref, layer_ref, q_ref, k_ref, v_ref, o_ref, *,
-            group: int, num_tokens: int, scale: float, pages_per_block: int):
-  """One (row, kv head) program: the row's T * G queries of this kv head against its pages,
-  `pages_per_block` pages per loop step, with an online softmax (running max m, denominator l,
-  numerator o)."""
-  b, h = pl.program_id(0), pl.program_id(1)
-  rows, dh = q_ref.shape
-  _, _, num_pages, page_size, _ = k_ref.shape
-  width = table_ref.shape[1]  # a multiple of pages_per_block (the caller pads the table)
-  per = pages_per_block
-  block = per * page_size
-  length, start, layer = lengths_ref[b], start_ref[b], layer_ref[0]
-  q = q_ref[...]
-  # query row r is token r // G (rows past T * G are padding, dropped by the caller)
-  qpos = start + jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
-  # keys past both the row's length and the last query are never visible: read only the pages
-  # that hold visible keys
-  end = jnp.minimum(length, start + num_tokens)
-  pages = jnp.clip((end + page_size - 1) // page_size, 0, width)
-
-  def body(i, carry):
-    o, m, l = carry
-    if per == 1:
-      page = table_ref[b, i]
-      valid = (page >= 0) & (page < num_pages)
-      page = jnp.where(valid, page, 0)  # never read outside the pool
-      k = k_ref[layer, h, page]  # [S, Dh]
-      v = v_ref[layer, h, page]
-    else:  # a gather of `per` pages: one [per * S, Dh] tile
-      ids = table_ref[b, pl.ds(i * per, per)]
-      ok = (ids >= 0) & (ids < num_pages)
-      ids = jnp.where(ok, ids, 0)
-      k = k_ref[layer, h, ids].reshape(block, dh)
-      v = v_ref[layer, h, ids].reshape(block, dh)
-      valid = jnp.broadcast_to(ok[:, None], (per, page_size)).reshape(1, block)
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale  # [rows, block]
-    kpos = i * block + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
-    mask = (kpos <= qpos) & (kpos < length) & valid
-    s = jnp.where(mask, s, NEG_INF)
-    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-    # masked entries are zeroed explicitly: while a query has seen no key, m_new is NEG_INF too
-    p = jnp.where(mask, jnp.exp(s - m_new), 0.0)
-    corr = jnp.exp(m - m_new)
-    l = corr * l + jnp.sum(p, axis=1, keepdims=True)
-    o = corr * o + jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                                       preferred_element_type=jnp.float32)
-    return o, m_new, l
-
-  init = (jnp.zeros((rows, dh), jnp.float32), jnp.full((rows, 1), NEG_INF, jnp.float32),
-          jnp.zeros((rows, 1), jnp.float32))
-  o, _, l = jax.lax.fori_loop(0, (pages + per - 1) // per, body, init)
-  o_ref[...] = (o / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+NUM_SPLITS = 1
 
 
 def paged_attention_pallas(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
                            page_table: jax.Array, lengths: jax.Array, start: jax.Array, *,
                            layer=None, max_len: int | None = None, interpret: bool = False,
-                           pages_per_block: int | None = None,
-                           num_warps: int | None = None) -> jax.Array:
-  """`paged_attention_reference` as a Pallas kernel: grid (row, kv head); each program loops
-  over only the pages its row has visible keys in (a dynamic trip count from lengths and start),
-  loading `pages_per_block` (default `PAGES_PER_BLOCK`) [page_size, Dh] tiles of K and V per
-  loop step. A stacked pool is indexed with `layer` inside the kernel, so no layer slice is
-  copied out of it. `num_warps` (default `NUM_WARPS`) is Triton's per program.
+                           pages_per_block: int | None = None, num_warps: int | None = None,
+                           num_splits: int | None = None,
+                           tree_mask: jax.Array | None = None) -> jax.Array:
+  """`paged_attention_reference` as a Pallas kernel (`paged_kernel`): grid (row, kv head[,
+  split]); each program loops over only the pages its row has visible keys in (a dynamic trip
+  count from lengths and start), loading `pages_per_block` (default `PAGES_PER_BLOCK`)
+  [page_size, Dh] tiles of K and V per loop step. A stacked pool is indexed with `layer` inside
+  the kernel, so no layer slice is copied out of it. `num_warps` (default `NUM_WARPS`) is
+  Triton's per program.
+
+  `num_splits` (default `NUM_SPLITS` = 1; None there: `choose_num_splits`, enough programs for
+  an H100's or H200's SMs) splits each row's loop steps over its visible pages into that many
+  equal shares, each one program's (flash-decoding: with a few long rows, batch * kv heads
+  programs alone leave most of a GPU idle); their partial softmaxes are combined in plain JAX.
+  Shares follow each row's own length, not the table's width, so rows shorter than their table
+  still spread over every split. 1: one program per (row, kv head) that writes the attended
+  values itself, with no combine. Capped at the loop steps a full table takes. `tree_mask` as in
+  the reference, at most `MAX_TREE_TOKENS` new tokens (each query's bits of it one int32). The
+  splits, their automatic choice and the tree mask are lowered for CUDA in the tests but not
+  yet compiled, checked or timed on a GPU.
 
   Lowered with Triton on GPUs, whatever Pallas's default GPU backend: the queries of a (row, kv
   head) are padded to a power of two >= 16 rows; page_size and Dh must then be powers of two >= 16
   (tl.dot's minimum). Tested in interpret mode on CPU against the reference, and lowered for CUDA
   on CPU at every launch setting; `experiments/bench_gpu.py` checks it compiled on a GPU (against
   the reference, and inside the paged engine) and times it at several `pages_per_block` and
-  `num_warps`. No split over pages for long rows."""
+  `num_warps`."""
   pk, pv, layer = stacked_pools(pool_k, pool_v, layer)
   _, hkv, _, page_size, dh = pk.shape
   b, t, h, _ = q.shape
   per = PAGES_PER_BLOCK if pages_per_block is None else pages_per_block
   warps = NUM_WARPS if num_warps is None else num_warps
+  splits = NUM_SPLITS if num_splits is None else num_splits
   if h % hkv:
     raise ValueError(f"q: {h} heads is not a multiple of the pool's {hkv} kv heads")
   if not isinstance(per, int) or per < 1 or per & (per - 1):
     raise ValueError(f"pages_per_block={per!r}: expected a power of two >= 1")
+  if splits is not None and (not isinstance(splits, int) or splits < 1):
+    raise ValueError(f"num_splits={splits!r}: expected an int >= 1")
   if not interpret:
     for name, n in (("page_size", page_size), ("head_dim", dh)):
       if n < 16 or n & (n - 1):
         raise ValueError(f"{name}={n}: the Pallas GPU kernel needs a power of two >= 16")
+  tree = _checked_tree(tree_mask, b, t)
   g = h // hkv
   rows = max(16, pl.next_power_of_2(t * g))
   table = jnp.asarray(page_table, jnp.int32)[:, :_pages_read(page_table, page_size, max_len)]
   table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % per)), constant_values=NO_PAGE)
+  steps = table.shape[1] // per
+  splits = min(steps, choose_num_splits(b, hkv, steps * per, per) if splits is None else splits)
   # [B, T, Hkv, G, Dh] -> [B, Hkv, T * G, Dh]: a kv head's queries as one tile, token-major
   qk = q.reshape(b, t, hkv, g, dh).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * g, dh)
   qk = jnp.pad(qk, ((0, 0), (0, 0), (0, rows - t * g), (0, 0)))
-  whole = pl.BlockSpec()  # the whole array: scalars and pages are indexed inside the kernel
-  tile = pl.BlockSpec((None, None, rows, dh), lambda i, j: (i, j, 0, 0))
-  params = {}
-  if not interpret:
-    # Triton, named: with no compiler parameters Pallas lowers to Mosaic GPU wherever it is
-    # installed (the `jax_pallas_use_mosaic_gpu` option is on by default in jax 0.10.2), and
-    # Mosaic GPU stages the whole pool (a `BlockSpec()` operand) in shared memory, which no pool
-    # fits
-    from jax.experimental.pallas import triton as pl_triton
-    params["compiler_params"] = pl_triton.CompilerParams(
-        num_warps=None if warps is None else int(warps))
-  out = pl.pallas_call(
-      functools.partial(_kernel, group=g, num_tokens=t, scale=1.0 / math.sqrt(dh),
-                        pages_per_block=per),
-      out_shape=jax.ShapeDtypeStruct((b, hkv, rows, dh), q.dtype),
-      grid=(b, hkv),
-      in_specs=[whole, whole, whole, whole, tile, whole, whole],
-      out_specs=tile,
-      interpret=interpret,
-      name="paged_attention",
-      **params,
-  )(jnp.asarray(lengths, jnp.int32), jnp.asarray(start, jnp.int32), table,
-    jnp.reshape(layer, (1,)), qk, pk, pv)
+  bits = None
+  if tree is not None:  # query row r (token r // G) sees new key n iff bit n of bits[b, r]
+    bits = jnp.sum(jnp.where(tree, jnp.left_shift(1, jnp.arange(t, dtype=jnp.int32)), 0),
+                   axis=2, dtype=jnp.int32)  # [B, T]: distinct bits, so the sum is their or
+    bits = jnp.pad(jnp.repeat(bits, g, axis=1), ((0, 0), (0, rows - t * g)))
+  out = launch(qk, pk, pv, table, jnp.asarray(lengths, jnp.int32), jnp.asarray(start, jnp.int32),
+               jnp.reshape(layer, (1,)), bits, group=g, num_tokens=t, scale=1.0 / math.sqrt(dh),
+               pages_per_block=per, num_splits=splits, num_warps=warps, interpret=interpret)
   out = out[:, :, :t * g].reshape(b, hkv, t, g, dh).transpose(0, 2, 1, 3, 4)
   return out.reshape(b, t, h, dh)
 
@@ -259,23 +244,26 @@ def paged_attention(q: jax.Array, pool_k: jax.Array, pool_v: jax.Array, page_tab
                     lengths: jax.Array, start: jax.Array, *, layer=None,
                     max_len: int | None = None, implementation: str | None = None,
                     interpret: bool = False, pages_per_block: int | None = None,
-                    num_warps: int | None = None) -> jax.Array:
-  """Paged attention (semantics of `paged_attention_reference`). `implementation`: "pallas"
-  (the kernel; `interpret=True` runs it on any backend), "reference", "chunked"
-  (`paged_attention_chunked`), or None: the kernel on GPU, chunked elsewhere.
-  `pages_per_block` and `num_warps` are the kernel's launch settings (None: its defaults), which
-  the other implementations ignore (one configuration serves every backend)."""
+                    num_warps: int | None = None, num_splits: int | None = None,
+                    tree_mask: jax.Array | None = None) -> jax.Array:
+  """Paged attention (semantics of `paged_attention_reference`, `tree_mask` included).
+  `implementation`: "pallas" (the kernel; `interpret=True` runs it on any backend), "reference",
+  "chunked" (`paged_attention_chunked`), or None: the kernel on GPU, chunked elsewhere.
+  `pages_per_block`, `num_warps` and `num_splits` are the kernel's launch settings (None: its
+  defaults; splits over pages, default none, are not yet measured on a GPU), which the other
+  implementations ignore (one configuration serves every backend)."""
   if implementation is None:
     implementation = "pallas" if jax.default_backend() == "gpu" else "chunked"
   if implementation == "reference":
     return paged_attention_reference(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
-                                     max_len=max_len)
+                                     max_len=max_len, tree_mask=tree_mask)
   if implementation == "chunked":
     return paged_attention_chunked(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
-                                   max_len=max_len)
+                                   max_len=max_len, tree_mask=tree_mask)
   if implementation == "pallas":
     return paged_attention_pallas(q, pool_k, pool_v, page_table, lengths, start, layer=layer,
                                   max_len=max_len, interpret=interpret,
-                                  pages_per_block=pages_per_block, num_warps=num_warps)
+                                  pages_per_block=pages_per_block, num_warps=num_warps,
+                                  num_splits=num_splits, tree_mask=tree_mask)
   raise ValueError(f"implementation={implementation!r}: expected None, 'reference', 'chunked' or "
                    "'pallas'")

@@ -24,7 +24,7 @@ class DraftConfig:
   # (`rollout.engine.adaptive`) the largest K it picks from (unless adaptive.max_draft_len)
   draft_len: int = 3
   # candidates verified per depth: 1 a chain; W > 1 a draft tree, the drafter's W - 1 next most
-  # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense caches)
+  # likely tokens tried where its draft is rejected (eagle3, mtp, draft-model; dense or paged KV)
   tree_width: int = 1
   tree_depth: int = 0  # the tree's alternatives at the chain's first tree_depth depths (0: all)
   tree_argmax: bool = False  # a tree's chain of the drafter's most likely tokens, not samples

@@ -75,10 +75,6 @@ def build_drafter(cfg: RLConfig, policy_graphdef, policy_cfg, draft: Any = None)
     if not drafter.drafts_trees:
       raise ValueError(f"DraftConfig.tree_width={width}: the {cfg.draft.kind!r} drafter drafts "
                        f"chains only; use 1, or kind eagle3, mtp or draft-model")
-    if cfg.rollout.engine.paging.kv_cache_gb > 0 or cfg.rollout.kv_cache_fraction > 0:
-      raise ValueError(f"DraftConfig.tree_width={width}: draft trees are verified over dense "
-                       f"caches; set rollout.engine.paging.kv_cache_gb and "
-                       f"rollout.kv_cache_fraction to 0")
     drafter = dataclasses.replace(drafter, tree_width=width, tree_depth=cfg.draft.tree_depth,
                                   tree_argmax=cfg.draft.tree_argmax)
   return drafter, params

@@ -55,10 +55,12 @@ class PagingConfig:
   kv_cache_gb: float = 0.0
   page_size: int = 16
   page_ahead: int = 32  # positions of pages a row takes beyond its next step when it grows
-  # on a GPU: the attention kernel's pages of K and V per loop step and warps per program (0:
-  # `specjax.models.paged_attention.PAGES_PER_BLOCK` and `NUM_WARPS`); ignored elsewhere
+  # on a GPU: the attention kernel's pages of K and V per loop step, warps per program and
+  # programs a row's pages are split over (0: `specjax.models.paged_attention.PAGES_PER_BLOCK`,
+  # `NUM_WARPS` and `NUM_SPLITS`); ignored elsewhere
   kernel_pages: int = 0
   kernel_warps: int = 0
+  kernel_splits: int = 0
 
   def __post_init__(self):
     check(self.kv_cache_gb >= 0, "EngineConfig.paging.kv_cache_gb",
@@ -72,6 +74,8 @@ class PagingConfig:
           f"must be a power of two (0: the kernel's default), got {self.kernel_pages}")
     check(self.kernel_warps >= 0, "EngineConfig.paging.kernel_warps",
           f"must be >= 0 (0: the kernel's default), got {self.kernel_warps}")
+    check(self.kernel_splits >= 0, "EngineConfig.paging.kernel_splits",
+          f"must be >= 0 (0: the kernel's default), got {self.kernel_splits}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -109,13 +109,14 @@ def with_page_table(state: EngineState, table: jax.Array) -> EngineState:
                       state, is_leaf=is_cache)
 
 
-def paused_rows(s: EngineState, draft_len: int) -> jax.Array:
+def paused_rows(s: EngineState, span: int) -> jax.Array:
   """bool[b]: live rows whose pages cannot hold the next step's writes (positions up to
-  seq.lengths - 1 + K). A paused row steps like the others but commits nothing (its sample is
-  discarded, so its distribution is unchanged) until the host gives it pages."""
+  seq.lengths - 1 + span: K, or a draft tree's drafted nodes, `Drafter.write_span`). A paused
+  row steps like the others but commits nothing (its sample is discarded, so its distribution is
+  unchanged) until the host gives it pages."""
   if not isinstance(s.cache, PagedKV):
     return jnp.zeros_like(s.done)
-  return ~s.done & (s.seq.lengths + draft_len > s.cache.capacity())
+  return ~s.done & (s.seq.lengths + span > s.cache.capacity())
 
 
 def scatter(buf: jax.Array, new: jax.Array, start: jax.Array, count: jax.Array) -> jax.Array:
@@ -241,7 +242,7 @@ def speculative_step(target, drafter: Drafter, drafter_params, cfg: SamplingConf
     out = target(inputs, cache=s.cache)
     res = verify(key_verify, out.logits, drafts, draft_probs, temperature=cfg.temperature,
                  top_k=cfg.top_k, top_p=cfg.top_p)
-  paused = paused_rows(s, drafter.draft_len)
+  paused = paused_rows(s, drafter.write_span)
   commit, lengths, done, seq = _commit(s, cfg, res.tokens, res.logprobs, res.num_accepted + 1,
                                        paused)
   dstate = drafter.observe(drafter_params, dstate, TargetStep(
@@ -321,6 +322,7 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
   if spec.drafts and drafter is None:
     raise ValueError("run_segment: a drafting segment (spec.drafts) needs a drafter")
   k, window = drafter.draft_len if spec.drafts else 0, spec.window
+  span = drafter.write_span if k > 0 else 0  # positions a step writes past a row's last token
   step = ar_step if k == 0 else speculative_step
 
   def cond(carry):
@@ -328,11 +330,11 @@ def run_segment(graphdef, params, drafter: Drafter | None, drafter_params, key, 
     live = ~s.done
     ok = (it < max_iters) & (jnp.sum(live) > stop_at_live)
     if isinstance(s.cache, PagedKV):
-      paused = jnp.sum(paused_rows(s, k))
+      paused = jnp.sum(paused_rows(s, span))
       ok &= (paused < jnp.maximum(stop_at_paused, 1)) & (paused < jnp.sum(live))
     if window:  # a step writes cache positions up to seq.lengths - 1 + K (a tree: its nodes)
       longest = jnp.max(jnp.where(live, s.seq.lengths, 0))
-      ok &= longest + (drafter.write_span if k > 0 else 0) <= window
+      ok &= longest + span <= window
     return ok
 
   def body(carry):

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from specjax.models.paged_attention import MAX_TREE_TOKENS
 from specjax.sampling.core import Rollout, SamplingConfig, check_prompts, split_model
 from specjax.sampling.drafter import Drafter
 from specjax.sampling.calibration import EngineTuning
@@ -61,15 +62,16 @@ def speculative_generate(target, drafter: Drafter, drafter_params, prompts: jax.
   if not isinstance(drafter.tree_depth, int) or drafter.tree_depth < 0:
     raise ValueError(f"drafter.tree_depth must be an int >= 0 (0: every depth), got "
                      f"{drafter.tree_depth!r}")
-  if drafter.tree_width > 1:
-    if not drafter.drafts_trees:
-      raise ValueError(f"drafter.tree_width={drafter.tree_width}: {type(drafter).__name__} "
-                       f"drafts chains only (tree_width 1)")
-    if engine.paging.kv_cache_gb > 0:
-      raise ValueError(f"drafter.tree_width={drafter.tree_width}: draft trees are verified "
-                       f"over dense caches; set EngineConfig.paging.kv_cache_gb to 0 or tree_width "
-                       f"to 1")
+  if drafter.tree_width > 1 and not drafter.drafts_trees:
+    raise ValueError(f"drafter.tree_width={drafter.tree_width}: {type(drafter).__name__} "
+                     f"drafts chains only (tree_width 1)")
   drafter = dataclasses.replace(drafter, draft_len=k_max, temperature=cfg.temperature)
+  if drafter.tree_width > 1 and engine.paging.kv_cache_gb > 0 and \
+      drafter.tree.nodes > MAX_TREE_TOKENS:
+    raise ValueError(f"drafter.tree_width={drafter.tree_width}: paged attention verifies draft "
+                     f"trees of at most {MAX_TREE_TOKENS} nodes, and {drafter.tree} has "
+                     f"{drafter.tree.nodes}; lower the draft length, tree_width or tree_depth, "
+                     f"or set EngineConfig.paging.kv_cache_gb to 0 (dense caches)")
   vocab = nnx.merge(graphdef, params).cfg.vocab_size
   if drafter.vocab_size is not None and drafter.vocab_size != vocab:
     raise ValueError(f"drafter vocab_size={drafter.vocab_size} differs from the target's "

@@ -122,7 +122,7 @@ class PagedKVManager:
       rows = np.arange(first, first + group)
       if pages.replica_of(first) in full:
         continue
-      if not pages.admit(rows, prompt_lengths[rows] + 1, self.programs.k_max,
+      if not pages.admit(rows, prompt_lengths[rows] + 1, self.programs.span_max,
                          self.shared_prefix(int(prompt_lengths[first]), group)):
         full.add(pages.replica_of(first))
         continue
@@ -149,7 +149,8 @@ class PagedKVManager:
     self.pages = pages = self.pool(slots, data_parallel_size(mesh))
     admitted = self.first_admission(pages, self.prompt_lengths[:slots], group)
     paging = self.engine.paging
-    launch = dict(kernel_pages=paging.kernel_pages, kernel_warps=paging.kernel_warps)
+    launch = dict(kernel_pages=paging.kernel_pages, kernel_warps=paging.kernel_warps,
+                  kernel_splits=paging.kernel_splits)
     pool = PagedKV.create(len(dense.k), pages.num_pages, pages.page_size, slots,
                           pages.max_pages, hkv, dh, dense.k[0].dtype, mesh=mesh, **launch)
     draft_pool = None
@@ -180,7 +181,7 @@ class PagedKVManager:
     """`SlotPages.visit` between segments, then the state's page table brought up to date."""
     # (summary lengths are 0 for rows that are not live)
     pools = self.pages.visit(paged_state.pools(state), summary.live, summary.seq_lengths,
-                             summary.homes, self.programs.k_max)
+                             summary.homes, self.programs.span_max)
     state = paged_state.with_pools(state, pools)
     # (from the host table: each pool gets its own buffer, so a segment may donate both)
     return with_page_table(state, self.pages.table(summary.homes, summary.row_ids))
@@ -189,7 +190,7 @@ class PagedKVManager:
     """A free slot whose replica gives pending row `i` of the queue's `prefill`-th prefill (the
     caller's `row`) its pages: beside a sibling that holds the group's prompt pages (shared),
     else the replica with the most free slots that has pages. None: no replica has them."""
-    pages, key, k_max = self.pages, (prefill, i // self.group), self.programs.k_max
+    pages, key, span = self.pages, (prefill, i // self.group), self.programs.span_max
     seq_len = int(self.prompt_lengths[row]) + 1
     prefix = self.shared_prefix(int(self.prompt_lengths[row]), self.group)
     siblings = [s for s in self.holders.get(key, ())
@@ -199,10 +200,10 @@ class PagedKVManager:
       by_replica.setdefault(pages.replica_of(slot), []).append(slot)
     if siblings and prefix:
       near = by_replica.get(pages.replica_of(siblings[0]), [])
-      if near and pages.admit_row(near[0], seq_len, k_max, siblings[0], prefix):
+      if near and pages.admit_row(near[0], seq_len, span, siblings[0], prefix):
         return self._placed(near[0], key)
     for slots in sorted(by_replica.values(), key=len, reverse=True):
-      if pages.admit_row(slots[0], seq_len, k_max):
+      if pages.admit_row(slots[0], seq_len, span):
         return self._placed(slots[0], key)
     return None
 

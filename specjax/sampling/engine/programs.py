@@ -104,7 +104,8 @@ def program_statics(engine: EngineConfig) -> tuple:
   layout (dense, or paged with its pool, page size and kernel launch) and the window block."""
   paging = engine.paging
   layout = ("dense",) if paging.kv_cache_gb <= 0 else \
-      ("paged", paging.kv_cache_gb, paging.page_size, paging.kernel_pages, paging.kernel_warps)
+      ("paged", paging.kv_cache_gb, paging.page_size, paging.kernel_pages, paging.kernel_warps,
+       paging.kernel_splits)
   return layout + (("window_block", engine.buckets.window_block),)
 
 
@@ -121,6 +122,9 @@ class Programs:
     self.drafter, self.drafter_params = drafter, drafter_params
     self.cfg, self.cache_size, self.engine, self.mesh = cfg, cache_size, engine, mesh
     self.k_max = 0 if drafter is None else drafter.draft_len
+    # positions a step writes past a row's last committed token, at most: K, or the drafted
+    # nodes of the drafter's tree at K (`Drafter.write_span`); what paged rows take pages for
+    self.span_max = 0 if drafter is None else drafter.write_span
     self._graphdef = HashedOnce(graphdef)
     self._drafters: dict[tuple, HashedOnce] = {}  # (draft_len, tree_width) -> hashed drafter
 

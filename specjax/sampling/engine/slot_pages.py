@@ -48,7 +48,8 @@ class ReplicaPages:
 
   def tokens_for(self, seq_len: int, draft_len: int) -> int:
     """Positions a row of `seq_len` committed tokens takes pages for: its next steps' writes
-    (up to seq_len - 1 + K) and `page_ahead` more, within the cache size."""
+    (up to seq_len - 1 + `draft_len`: K, or a draft tree's drafted nodes) and `page_ahead`
+    more, within the cache size."""
     return min(seq_len + draft_len + self.ahead, self.cache_size)
 
   def admit(self, slots, seq_lens, draft_len: int, prompt_len: int = 0) -> bool:
