@@ -167,6 +167,9 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--num-warps", type=int, nargs="+", default=[0, 8],
                  help="paged stage: the kernel's warps per program to check and time (0: "
                  "Triton's default)")
+  p.add_argument("--num-splits", type=int, nargs="+", default=[1, 4],
+                 help="paged stage: programs each row's pages are split over, to check and time "
+                 "(1: no split)")
   p.add_argument("--paged-batch", type=int, default=64)
   p.add_argument("--paged-context", type=int, default=2048,
                  help="longest row of the paged-attention timing (rows are 1/4 to all of it)")
@@ -212,6 +215,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.error(f"--pages-per-block must be powers of two >= 1, got {a.pages_per_block}")
   if any(n < 0 for n in a.num_warps):
     p.error(f"--num-warps must be >= 0 (0: Triton's default), got {a.num_warps}")
+  if any(n < 1 for n in a.num_splits):
+    p.error(f"--num-splits must be >= 1, got {a.num_splits}")
   if any(d < 0 for d in a.tree_depths):
     p.error(f"--tree-depths must be >= 0 (0: every depth), got {a.tree_depths}")
   return a
@@ -298,10 +303,11 @@ def timed_calls(fn, repeats: int):
 
 
 def decode_row(a, model, graphdef, params, b: int, bandwidth: float,
-               prompt_len: int | None = None) -> dict:
-  """One batch of the plain loop: step time from the timed decode segment, against the roof."""
+               prompt_len: int | None = None, temperature: float = 1.0) -> dict:
+  """One batch of the plain loop: step time from the timed decode segment, against the roof
+  (`temperature` 0: greedy, as a peer's greedy decode is timed)."""
   prompt_len = prompt_len or a.prompt_len
-  scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=1.0)
+  scfg = SamplingConfig(max_new_tokens=a.new_tokens, temperature=temperature)
   prompts, lengths = prompts_for(b, prompt_len, model.cfg.vocab_size, a.seed + b)
   run = lambda i: generate((graphdef, params), prompts, lengths, jax.random.key(i), scfg,
                            engine=STATIC)
@@ -536,7 +542,8 @@ def queue_stage(a, results: dict) -> None:
     arms["paged_tuned"] = lambda i: [generate(
         model, prompts, lengths, jax.random.key(i), scfg,
         engine=engine(max_rows=slots, kv_cache_gb=budget_gb, kernel_pages=tuned[0],
-                      kernel_warps=tuned[1]), tuning=tunings["paged_tuned"])]
+                      kernel_warps=tuned[1], kernel_splits=tuned[2]),
+        tuning=tunings["paged_tuned"])]
   elif "paged_tuned" in a.queue_arms:
     log("queue paged_tuned: skipped (no paged stage ran before the queue)")
   arms = {name: arms[name] for name in a.queue_arms if name in arms}
@@ -581,7 +588,7 @@ def queue_stage(a, results: dict) -> None:
         rec["steps_by_k"][str(sg.draft_len)] = rec["steps_by_k"].get(str(sg.draft_len), 0) + \
             sg.iterations
     if name == "paged_tuned":
-      rec["kernel_pages"], rec["kernel_warps"] = tuned
+      rec["kernel_pages"], rec["kernel_warps"], rec["kernel_splits"] = tuned
     if name in ("paged", "paged_spec", "paged_tuned"):
       rec["pages_in_use_max"] = max(s.pages_in_use for s in segs)
       rec["swapped_out"] = sum(s.swapped_out for s in segs)
@@ -598,17 +605,29 @@ def queue_stage(a, results: dict) -> None:
   gc.collect()
 
 
-def fastest_launch(results: dict) -> tuple[int, int] | None:
-  """(pages per loop step, warps; 0: the default) of the kernel's fastest decode (one query per
-  row) in this run's paged stage; None when it did not run."""
+def default_launch() -> tuple[int, int, int]:
+  """The kernel's default launch setting as (pages per loop step, warps, splits; 0: default)."""
+  return (paged_attention.PAGES_PER_BLOCK, paged_attention.NUM_WARPS or 0,
+          paged_attention.NUM_SPLITS or 0)
+
+
+def launch_name(launch: tuple[int, int, int]) -> str:
+  per, warps, splits = launch
+  return f"pallas_p{per}_w{warps or 'default'}_s{splits or 'auto'}"
+
+
+def fastest_launch(results: dict) -> tuple[int, int, int] | None:
+  """(pages per loop step, warps, splits; 0: the default) of the kernel's fastest decode (one
+  query per row) in this run's paged stage; None when it did not run."""
   rows = [r for r in results.get("paged", {}).get("timings", []) if r["tokens"] == 1]
   name = rows[0].get("fastest_pallas") if rows else None
   if name is None:
     return None
   if name == "pallas":
-    return paged_attention.PAGES_PER_BLOCK, paged_attention.NUM_WARPS or 0
-  pages, warps = re.fullmatch(r"pallas_p(\d+)_w(\w+)", name).groups()
-  return int(pages), 0 if warps == "default" else int(warps)
+    return default_launch()
+  pages, warps, splits = re.fullmatch(r"pallas_p(\d+)_w(\w+)_s(\w+)", name).groups()
+  return (int(pages), 0 if warps == "default" else int(warps),
+          0 if splits == "auto" else int(splits))
 
 
 PAGE_SIZE = 16
@@ -675,8 +694,10 @@ def paged_stage(a, results: dict) -> None:
              f"max |kernel - reference| {rec['max_abs_err']:.2e} (|ref| <= "
              f"{rec['max_abs_ref']:.2f}), padding row zero {rec['padding_row_zero']}"))
   res["checks"] = checks
-  # each launch setting of the kernel (pages per loop step, warps) on one awkward problem too
-  launches = [(per, warps) for per in a.pages_per_block for warps in a.num_warps]
+  # each launch setting of the kernel (pages per loop step, warps, splits of a row's pages) on
+  # one awkward problem too
+  launches = [(per, warps, splits) for per in a.pages_per_block for warps in a.num_warps
+              for splits in a.num_splits]
   lengths = rng.integers(a.draft_len + 1, 6 * PAGE_SIZE, size=4)
   q, pk, pv, table, lengths, start = paged_problem(rng, 4, a.draft_len + 1, h, hkv, dh, lengths, 3)
   table[0, 0], table[2] = paged.NO_PAGE, paged.NO_PAGE
@@ -684,18 +705,19 @@ def paged_stage(a, results: dict) -> None:
     want = np.asarray(paged_attention.paged_attention_reference(q, pk, pv, table, lengths, start,
                                                       layer=jnp.int32(1)))
   res["launch_checks"] = []
-  for per, warps in launches:
-    rec = {"pages_per_block": per, "num_warps": warps or None}
+  for per, warps, splits in launches:
+    rec = {"pages_per_block": per, "num_warps": warps or None, "num_splits": splits}
     try:
       got = jax.jit(functools.partial(kernel, layer=jnp.int32(1), pages_per_block=per,
-                                      num_warps=warps or None))(
+                                      num_warps=warps or None, num_splits=splits))(
           *(jnp.asarray(x, jnp.bfloat16) for x in (q, pk, pv)), jnp.asarray(table),
           jnp.asarray(lengths), jnp.asarray(start))
       rec["max_abs_err"] = float(np.abs(np.asarray(got.astype(jnp.float32)) - want).max())
     except Exception as e:
       rec["error"] = f"{type(e).__name__}: {str(e)[:800]}"
     res["launch_checks"].append(rec)
-    log(f"paged kernel check, {per} pages per step, warps {warps or 'default'}: " +
+    log(f"paged kernel check, {per} pages per step, warps {warps or 'default'}, {splits} "
+        f"split(s): " +
         (rec["error"][:300] if "error" in rec else f"max |kernel - reference| "
          f"{rec['max_abs_err']:.2e} (bfloat16)"))
   write(a, results)
@@ -716,15 +738,16 @@ def paged_stage(a, results: dict) -> None:
            "mean_len": float(lengths.mean()), "kv_gbytes": kv_bytes / 1e9, "dtype": a.dtype}
     variants = [(impl, None) for impl in impls] + [
         ("pallas", launch) for launch in launches
-        if launch != (paged_attention.PAGES_PER_BLOCK, paged_attention.NUM_WARPS or 0)]
+        if launch != default_launch()]
     for impl, launch in variants:
       fn = jax.jit(kernel if impl == "pallas" and launch is None else
                    functools.partial(kernel, pages_per_block=launch[0],
-                                     num_warps=launch[1] or None) if impl == "pallas" else
+                                     num_warps=launch[1] or None,
+                                     num_splits=launch[2] or None) if impl == "pallas" else
                    paged_attention.paged_attention_reference if impl == "reference" else
                    functools.partial(paged_attention.paged_attention_chunked, min_bytes=0))
       if launch is not None:  # a launch setting other than the default's
-        impl = f"pallas_p{launch[0]}_w{launch[1] or 'default'}"
+        impl = launch_name(launch)
       try:
         jax.block_until_ready(fn(*args))
         times = []

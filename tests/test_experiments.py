@@ -198,8 +198,12 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   for check in paged["checks"]:
     assert check["max_abs_err"] < (1e-5 if check["dtype"] == "float32" else 3e-2), check
     assert check["padding_row_zero"]
-  assert {"pallas", "reference", "chunked", "pallas_p4_wdefault"} <= set(paged["timings"][0])
-  for check in paged["launch_checks"]:  # 1 and 4 pages per loop step
+  assert {"pallas", "reference", "chunked", "pallas_p4_wdefault_s1",
+          "pallas_p1_wdefault_s4"} <= set(paged["timings"][0])
+  # 1 and 4 pages per loop step, a row's pages split over 1 and 4 programs
+  assert {(c["pages_per_block"], c["num_splits"]) for c in paged["launch_checks"]} == {
+      (1, 1), (1, 4), (4, 1), (4, 4)}
+  for check in paged["launch_checks"]:
     assert check["max_abs_err"] < 3e-2, check
   assert paged["engine_greedy"]["rows_identical"] == paged["engine_greedy"]["rows"] == 16
   (reads,) = data["reads"]["rows"]  # whole and chunked dense-cache reads, side by side
@@ -218,7 +222,8 @@ def test_gpu_benchmark_runs_every_stage_at_smoke_size_and_writes_json(tmp_path):
   queue = data["queue"]  # 6 prompts x 2 samples on 4 slots; half the slots' KV as the budget
   assert set(queue["arms"]) == {"waves", "continuous", "continuous_spec", "dense", "paged",
                                 "paged_spec", "paged_tuned"}
-  assert queue["arms"]["paged_tuned"]["kernel_pages"] in (1, 4)  # the paged stage's fastest
+  tuned = queue["arms"]["paged_tuned"]  # the paged stage's fastest
+  assert tuned["kernel_pages"] in (1, 4) and tuned["kernel_splits"] in (1, 4)
   assert queue["rows"] == 12 and queue["kv_budget_dense_rows"] == 2
   for name, rec in queue["arms"].items():
     assert rec["tokens_per_s"] > 0 and rec["tokens"] > 0 and rec["rows_max"] <= 4, name
