@@ -248,10 +248,13 @@ class Trainer:
     fn = _step_jit_donated if donate else _step_jit
     new, metrics = fn(self, state, self.place_batch(batch), jnp.float32(w))
     # for the step's model FLOPs, as the packed step counts them: positions and causal pairs
-    # of the sequences up to their last loss position
-    metrics = dict(metrics)
-    metrics["train/tokens"], metrics["train/attention_pairs"] = attention_work(
-        np.asarray(jax.device_get(batch.loss_mask)))
+    # of the sequences up to their last loss position (where this process holds the whole
+    # batch: across processes each holds only its rows, and the figures are left out)
+    mask = batch.loss_mask
+    if not isinstance(mask, jax.Array) or mask.is_fully_addressable:
+      metrics = dict(metrics)
+      metrics["train/tokens"], metrics["train/attention_pairs"] = attention_work(
+          np.asarray(jax.device_get(mask)))
     return new, metrics
 
   @property
