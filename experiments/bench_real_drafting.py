@@ -16,15 +16,19 @@ Drafters (`--drafters`):
                   prompts at the same temperature, recorded as an RL run records its rollouts),
                   n-gram elsewhere: the revisited-prompt regime, labelled as such
   eagle3          an EAGLE-3 head trained offline (TTT) on the model's completions of other word
-                  problems (--head-prompts, --head-steps), or loaded from --head (a directory
-                  written by this script, vLLM's EAGLE-3 format)
+                  problems (--head-prompts, --head-steps; the target's features computed once,
+                  so a step costs the head alone), or loaded from --head (a directory written by
+                  this script, vLLM's EAGLE-3 format); after training, its TTT loss and top-1
+                  agreement on --head-eval-prompts training completions and as many completions
+                  of further unseen problems (underfit or overfit)
   eagle3-history  history where the earlier visit matches, the head elsewhere (the hybrid)
   self-draft      the model's first --self-draft-layers layers as a draft model
 Each run is timed by the engine's segments (compile excluded: programs are compiled ahead) and
 by the wall clock; AR runs at each temperature before and after its drafters, and every speedup
 is against the mean of those two. Prints tables, writes JSON (`drafters.<name>.runs` rows with
 `temperature`, `draft_len`, `acceptance_length`, `tokens_per_s`, `speedup`, `step_cost_vs_ar`: a
-verify step's engine seconds over an AR step's). Asserts nothing.
+verify step's engine seconds over an AR step's; `head`: the head's training curve, timings and
+evaluation). Asserts nothing.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from flax import nnx  # noqa: E402
 from bench_io import write_json  # noqa: E402
 from specjax.config_tree import apply_cli  # noqa: E402
 from specjax.drafters import (DraftModelDrafter, DraftTrainConfig, HistoryParams,  # noqa: E402
-                              HistoryStore, eagle3_drafter, truncated_copy, train_draft_head)
+                              HistoryStore, Rollouts, collect_rollouts, eagle3_drafter, eval_ttt,
+                              truncated_copy, train_draft_head)
 from specjax.drafters.checkpoint import load_eagle3_hf, save_eagle3_hf  # noqa: E402
 from specjax.drafters.history import history_drafter  # noqa: E402
 from specjax.errors import UserError  # noqa: E402
@@ -74,10 +79,11 @@ class BenchConfig:
   drafters: tuple[str, ...] = DRAFTERS
   self_draft_layers: int = 8
   head: str = ""  # a trained head's directory (skips training)
-  head_prompts: int = 96  # training problems (other than the held-out ones), one sample each
+  head_prompts: int = 128  # training problems (other than the held-out ones), one sample each
   head_temperature: float = 0.7
-  head_steps: int = 150
+  head_steps: int = 300
   head_batch: int = 8
+  head_eval_prompts: int = 16  # TTT metrics on this many seen and unseen completions (0: off)
   draft_vocab: int = 8192
   head_out: str = "runs/real_eagle3_head"  # where a trained head is written (must not exist)
   max_buckets: int = 3
@@ -124,25 +130,60 @@ def timing(rollout, wall_s: float) -> dict:
 
 
 def train_head(cfg: BenchConfig, model, task, tok, log):
-  """(head, maps, training history or None): loaded from --head, or trained on the model's completions of problems that
-  are not among the held-out ones, then written to --head-out in vLLM's EAGLE-3 format."""
+  """(head, maps, report of its training or None): loaded from --head, or trained on the model's
+  completions of problems that are not among the held-out ones, then written to --head-out in
+  vLLM's EAGLE-3 format."""
   if cfg.head:
     return (*load_eagle3_hf(os.path.abspath(cfg.head), model.cfg), None)
-  prompts, lengths = encode(task, task.examples(0, cfg.head_prompts), tok.pad_id)
+  split = nnx.split(model)
   sampling = SamplingConfig(max_new_tokens=cfg.max_new_tokens, temperature=cfg.head_temperature,
                             eos_ids=tuple(tok.eos_ids), pad_id=int(tok.pad_id))
+  key = jax.random.key(cfg.seed)
+
+  def rollouts_of(start, n, k):
+    prompts, lengths = encode(task, task.examples(start, n), tok.pad_id)
+    return collect_rollouts(split, np.asarray(prompts), np.asarray(lengths),
+                            jax.random.fold_in(key, k), sampling, batch_size=32, progress=True)
+
   t0 = time.perf_counter()
-  res = train_draft_head(nnx.split(model), np.asarray(prompts), np.asarray(lengths),
-                         sampling=sampling,
+  rollouts = rollouts_of(0, cfg.head_prompts, 1)  # the draws train_draft_head would make
+  rollout_s = time.perf_counter() - t0
+  res = train_draft_head(split, sampling=sampling, rollouts=rollouts,
                          config=DraftTrainConfig(steps=cfg.head_steps, batch_size=cfg.head_batch,
-                                                 draft_vocab=cfg.draft_vocab, seed=cfg.seed,
-                                                 rollout_batch=32))
-  log(f"EAGLE-3 head: {cfg.head_steps} steps in {time.perf_counter() - t0:.0f} s, TTT loss "
-      f"{res.history[0]['loss']:.3f} -> {res.history[-1]['loss']:.3f}")
+                                                 draft_vocab=cfg.draft_vocab, seed=cfg.seed))
+  hist = res.history
+  tail = hist[-min(10, len(hist)):]
+  info = dict(steps=cfg.head_steps, prompts=cfg.head_prompts, batch=cfg.head_batch,
+              rollout_width=int(rollouts.tokens.shape[1]),
+              completion_tokens=int(rollouts.loss_mask.sum()),
+              feature_mib=None if res.feature_bytes is None else res.feature_bytes / 2**20,
+              rollout_s=rollout_s, feature_s=res.seconds["features"],
+              steps_s=res.seconds["steps"], step_s=res.seconds["steps"] / cfg.head_steps,
+              loss_first=hist[0]["loss"], loss_last10=float(np.mean([h["loss"] for h in tail])),
+              acc_0_first=hist[0]["acc_0"],
+              acc_0_last10=float(np.mean([h["acc_0"] for h in tail])),
+              loss_curve=[h["loss"] for h in hist], acc_0_curve=[h["acc_0"] for h in hist])
+  features = ("the target inside each step" if res.feature_bytes is None else
+              f"target features {info['feature_mib']:.0f} MiB in {info['feature_s']:.0f} s")
+  log(f"EAGLE-3 head: rollouts {rollout_s:.0f} s ({info['completion_tokens']} completion tokens),"
+      f" {features}, "
+      f"{cfg.head_steps} steps in {info['steps_s']:.0f} s ({info['step_s']:.1f} s a step, "
+      f"compiles included); TTT loss {info['loss_first']:.3f} -> {info['loss_last10']:.3f} (mean "
+      f"of the last 10 steps), step-0 agreement {info['acc_0_first']:.2f} -> "
+      f"{info['acc_0_last10']:.2f}")
+  if cfg.head_eval_prompts:  # the same metrics on seen rows and on other problems' completions
+    n = min(cfg.head_eval_prompts, cfg.head_prompts)
+    seen = Rollouts(tokens=rollouts.tokens[:n], loss_mask=rollouts.loss_mask[:n])
+    unseen = rollouts_of(cfg.head_prompts, n, 2)
+    info["eval"] = {name: eval_ttt(split, res.head, res.maps, r)
+                    for name, r in (("seen", seen), ("unseen", unseen))}
+    log("EAGLE-3 head on " + ", ".join(
+        f"{name} completions: TTT loss {m['loss']:.3f}, agreement " +
+        " / ".join(f"{m[f'acc_{i}']:.2f}" for i in range(3)) for name, m in info["eval"].items()))
   if cfg.head_out and not os.path.exists(cfg.head_out):
     save_eagle3_hf(cfg.head_out, res.head, res.maps)
     log(f"wrote the head to {cfg.head_out}")
-  return res.head, res.maps, res.history
+  return res.head, res.maps, info
 
 
 def main(cfg: BenchConfig) -> dict:
@@ -154,9 +195,9 @@ def main(cfg: BenchConfig) -> dict:
   task = WordProblemTask(TaskConfig(name="word_problems", operands=cfg.steps + 1), tok)
   log(f"loaded {os.path.basename(cfg.gguf)}: {model.cfg.num_layers} layers, hidden "
       f"{model.cfg.hidden_size}, vocabulary {model.cfg.vocab_size}")
-  head_history = None
+  head_info = None
   if {"eagle3", "eagle3-history"} & set(cfg.drafters):
-    head, maps, head_history = train_head(cfg, model, task, tok, log)
+    head, maps, head_info = train_head(cfg, model, task, tok, log)
   prompts, lengths = encode(task, task.validation(cfg.prompts), tok.pad_id, cfg.group)
   engine = RLConfig().rollout.engine.replace(adaptive=dict(enabled=False),
                                              buckets=dict(max_buckets=cfg.max_buckets))
@@ -192,8 +233,9 @@ def main(cfg: BenchConfig) -> dict:
                      backend=jax.default_backend()),
         ar=ar_runs, drafters={n: dict(runs=[r for r in rows if r["drafter"] == n])
                               for n in cfg.drafters},
-        head_loss=None if head_history is None else
-        [head_history[0]["loss"], head_history[-1]["loss"]],
+        head_loss=None if head_info is None else
+        [head_info["loss_curve"][0], head_info["loss_curve"][-1]],
+        head=head_info,
         partial=partial, total_s=time.perf_counter() - start)
     if cfg.out:
       write_json(cfg.out, report)

@@ -2,12 +2,19 @@
 
 The prompt set decides the draft's domain: the RL task's prompts (in-domain) or any other set
 ("general"). Optimiser: `specjax.optim`'s, warmup (`default_warmup` unless set) + cosine.
+
+The target is frozen, so by default its features on the rollouts are computed once
+(`features.py`: one forward per rollout, held on the host) and each step runs the head alone;
+`precompute_features=False` runs the target inside every step instead (the same loss up to
+float rounding, at the cost of the target's layers per step).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 
 import jax
 import jax.numpy as jnp
@@ -17,12 +24,16 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from specjax.config_tree import check
+from specjax.drafters.features import (TargetFeatures, batch_width, compute_features,
+                                       feature_nbytes, loss_positions, ttt_loss_from_features)
 from specjax.drafters.head import Eagle3Head, init_head
 from specjax.drafters.ttt import ttt_loss
 from specjax.drafters.vocab import VocabMaps, build_vocab_maps_from_tokens
 from specjax.optim import check_trainer_fields, trainer_transform
 from specjax.sampling.ar import generate
 from specjax.sampling.core import SamplingConfig, split_model
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +51,11 @@ class DraftTrainConfig:
   samples_per_prompt: int = 1
   rollout_batch: int = 64
   seed: int = 0
+  # the target's features computed once and reused by every step (the default: exact, and a
+  # step then costs the head alone); False: the target runs inside each step
+  precompute_features: bool = True
+  # above this many GiB of host memory for the features, the target runs inside each step
+  max_feature_gib: float = 8.0
 
   def __post_init__(self):
     w = "DraftTrainConfig"
@@ -51,6 +67,8 @@ class DraftTrainConfig:
     check(self.samples_per_prompt >= 1, f"{w}.samples_per_prompt",
           f"must be >= 1, got {self.samples_per_prompt}")
     check(self.rollout_batch >= 1, f"{w}.rollout_batch", f"must be >= 1, got {self.rollout_batch}")
+    check(self.max_feature_gib > 0, f"{w}.max_feature_gib",
+          f"must be > 0, got {self.max_feature_gib}")
 
 
 @dataclasses.dataclass
@@ -95,6 +113,26 @@ def draft_train_step(head_graphdef, target_graphdef, cfg: DraftTrainConfig, head
     return ttt_loss(head_graphdef, p, embed, out.aux_hidden, out.logits, tokens, loss_mask, maps,
                     num_steps=cfg.ttt_steps, step_decay=cfg.step_decay)
 
+  return _adamw_step(cfg, loss_fn, head_params, opt_state)
+
+
+@functools.partial(jax.jit, static_argnames=("head_graphdef", "cfg"))
+def feature_train_step(head_graphdef, cfg: DraftTrainConfig, head_params, opt_state, embed,
+                       lm_head, maps: VocabMaps, aux_hidden, final_hidden, target_argmax, tokens,
+                       loss_mask, positions):
+  """`draft_train_step` on precomputed target features (`features.py`): the head alone runs;
+  `embed` [V, d] and `lm_head` [d, V] are the target's, `positions` `loss_positions(loss_mask)`."""
+
+  def loss_fn(p):
+    return ttt_loss_from_features(head_graphdef, p, embed, lm_head, aux_hidden, final_hidden,
+                                  target_argmax, tokens, loss_mask, maps, positions,
+                                  num_steps=cfg.ttt_steps, step_decay=cfg.step_decay)
+
+  return _adamw_step(cfg, loss_fn, head_params, opt_state)
+
+
+def _adamw_step(cfg: DraftTrainConfig, loss_fn, head_params, opt_state):
+  """Gradient of `loss_fn(head_params) -> (loss, metrics)` and the optimiser's update."""
   (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(head_params)
   updates, opt_state = trainer_transform(cfg).update(grads, opt_state, head_params)
   grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
@@ -108,6 +146,8 @@ class DraftTrainResult:
   maps: VocabMaps
   history: list[dict[str, float]]  # metrics of every step
   rollouts: Rollouts
+  feature_bytes: int | None = None  # host bytes of the precomputed features; None: not used
+  seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # features, steps (wall)
 
 
 def train_draft_head(target, prompts=None, prompt_lengths=None, *,
@@ -118,8 +158,9 @@ def train_draft_head(target, prompts=None, prompt_lengths=None, *,
                      progress: bool = True) -> DraftTrainResult:
   """Train a draft head for `target` (a Decoder or its (graphdef, params)).
 
-  (a) rollouts of the target on `prompts` (or the given `rollouts`), (b) the target's features and
-  logits on them inside each step, (c) `config.steps` TTT steps on random minibatches. `maps`
+  (a) rollouts of the target on `prompts` (or the given `rollouts`), (b) the target's features on
+  them, computed once (`config.precompute_features`, within `config.max_feature_gib`) or inside
+  each step, (c) `config.steps` TTT steps on random minibatches. `maps`
   default to the top `config.draft_vocab` completion tokens (EOS ids always kept); `head` to a
   fresh one. Returns the trained head (a new module; `head` is left as it was).
   """
@@ -144,21 +185,58 @@ def train_draft_head(target, prompts=None, prompt_lengths=None, *,
                      f"{maps.draft_vocab}")
   head_graphdef, head_params = nnx.split(head)
   opt_state = trainer_transform(config).init(head_params)
+  start = time.perf_counter()
+  features = _features((graphdef, params), model_cfg, rollouts, config, progress)
+  seconds = {"features": time.perf_counter() - start}
+  if features is not None:
+    model = nnx.merge(graphdef, params)
+    embed, lm_head = model.embed[...], model.head_weight()
   rng = np.random.default_rng(config.seed)
   m = rollouts.tokens.shape[0]
   history = []
   bar = tqdm(range(config.steps), desc="draft head", disable=not progress)
   for _ in bar:
     idx = rng.choice(m, size=config.batch_size, replace=m < config.batch_size)
-    head_params, opt_state, metrics = draft_train_step(
-        head_graphdef, graphdef, config, head_params, opt_state, params, maps,
-        jnp.asarray(rollouts.tokens[idx]), jnp.asarray(rollouts.loss_mask[idx]))
+    if features is None:
+      head_params, opt_state, metrics = draft_train_step(
+          head_graphdef, graphdef, config, head_params, opt_state, params, maps,
+          jnp.asarray(rollouts.tokens[idx]), jnp.asarray(rollouts.loss_mask[idx]))
+    else:
+      width = batch_width(rollouts.loss_mask[idx])
+      mask = rollouts.loss_mask[idx, :width]
+      head_params, opt_state, metrics = feature_train_step(
+          head_graphdef, config, head_params, opt_state, embed, lm_head, maps,
+          *features.take(idx, width), rollouts.tokens[idx, :width], mask,
+          loss_positions(mask, config.ttt_steps))
     history.append(metrics)
     if progress:
       bar.set_postfix(loss=f"{float(metrics['loss']):.3f}", acc0=f"{float(metrics['acc_0']):.2f}")
   history = [{k: float(v) for k, v in h.items()} for h in jax.device_get(history)]
+  seconds["steps"] = time.perf_counter() - start - seconds["features"]
   return DraftTrainResult(head=nnx.merge(head_graphdef, head_params), maps=maps, history=history,
-                          rollouts=rollouts)
+                          rollouts=rollouts,
+                          feature_bytes=None if features is None else features.nbytes,
+                          seconds=seconds)
+
+
+def _features(target, model_cfg, rollouts: Rollouts, config: DraftTrainConfig,
+              progress: bool) -> TargetFeatures | None:
+  """The target's features on the rollouts, or None where they are not precomputed (off, or over
+  `config.max_feature_gib` of host memory: then the target runs inside each step)."""
+  if not config.precompute_features:
+    return None
+  rows, width = rollouts.tokens.shape
+  need = feature_nbytes(model_cfg, rows, width)
+  if need > config.max_feature_gib * 2**30:
+    logger.warning(f"draft head: target features would take {need / 2**30:.1f} GiB of host "
+                   f"memory (max_feature_gib={config.max_feature_gib}); the target runs inside "
+                   f"each step instead")
+    return None
+  features = compute_features(target, rollouts.tokens, batch_size=config.batch_size,
+                              progress=progress)
+  logger.info(f"draft head: target features of {rows} rollouts x {width} positions, "
+              f"{features.nbytes / 2**20:.1f} MiB on the host")
+  return features
 
 
 @functools.partial(jax.jit, static_argnames=("head_graphdef", "target_graphdef", "num_steps"))

@@ -71,6 +71,19 @@ def ttt_forward(head: Eagle3Head, embed_table: jax.Array, aux_hidden: jax.Array,
   return logits
 
 
+def step_terms(metrics: dict, i: int, ce: jax.Array, agree: jax.Array, weight: jax.Array,
+               step_decay: float) -> jax.Array:
+  """Unrolled step i's weighted means into `metrics` (loss_i: cross-entropy, acc_i: top-1
+  agreement, positions_i: the weight's sum); returns its share of the total loss,
+  step_decay**i * loss_i."""
+  count = jnp.maximum(weight.sum(), 1.0)
+  step_loss = jnp.sum(ce * weight) / count
+  metrics[f"loss_{i}"] = step_loss
+  metrics[f"acc_{i}"] = jnp.sum(agree * weight) / count
+  metrics[f"positions_{i}"] = weight.sum()
+  return (step_decay ** i) * step_loss
+
+
 def ttt_loss_module(head: Eagle3Head, embed_table: jax.Array, aux_hidden: jax.Array,
                     target_logits: jax.Array, tokens: jax.Array, loss_mask: jax.Array,
                     maps: VocabMaps, *, num_steps: int = 3, step_decay: float = 0.8):
@@ -87,14 +100,9 @@ def ttt_loss_module(head: Eagle3Head, embed_table: jax.Array, aux_hidden: jax.Ar
     draft_logp = jax.nn.log_softmax(logits, axis=-1)
     tgt = _shift_left(target_logp, 1 + i)
     weight = _shift_left(completion, 2 + i) * _shift_left(draftable, 1 + i)
-    count = jnp.maximum(weight.sum(), 1.0)
     ce = -jnp.sum(jnp.exp(tgt) * draft_logp, axis=-1)
-    step_loss = jnp.sum(ce * weight) / count
     agree = (jnp.argmax(draft_logp, -1) == jnp.argmax(tgt, -1)).astype(jnp.float32)
-    total = total + (step_decay ** i) * step_loss
-    metrics[f"loss_{i}"] = step_loss
-    metrics[f"acc_{i}"] = jnp.sum(agree * weight) / count
-    metrics[f"positions_{i}"] = weight.sum()
+    total = total + step_terms(metrics, i, ce, agree, weight, step_decay)
   metrics["loss"] = total
   return total, metrics
 
@@ -161,11 +169,6 @@ def ttt_loss_chunked(head_graphdef: nnx.GraphDef, head_params: nnx.State, embed_
         maps.d2t, chunk=chunk)
     draftable = jnp.take(maps.t2d, target_argmax).astype(jnp.float32)
     weight = _shift_left(completion, 2 + i) * draftable
-    count = jnp.maximum(weight.sum(), 1.0)
-    step_loss = jnp.sum(ce * weight) / count
-    total = total + (step_decay ** i) * step_loss
-    metrics[f"loss_{i}"] = step_loss
-    metrics[f"acc_{i}"] = jnp.sum(agree * weight) / count
-    metrics[f"positions_{i}"] = weight.sum()
+    total = total + step_terms(metrics, i, ce, agree, weight, step_decay)
   metrics["loss"] = total
   return total, metrics
