@@ -81,9 +81,9 @@ sys.path.insert(0, os.path.dirname(_HERE))
 sys.path.insert(0, _HERE)
 
 import bench_gpu  # noqa: E402  (the repository root and experiments/ on sys.path above)
-from bench_gpu import SHAPES, build_target, decode_row, prompts_for  # noqa: E402
+from bench_gpu import (SHAPES, build_target, decode_row, log, prompts_for,  # noqa: E402
+                       write)
 
-START = time.perf_counter()
 
 # named XLA flag sets, one process each (verified: jaxlib's DebugOptions parser accepts them and
 # rejects a misspelt value; XLA's default command buffer types are FUSION, CUBLAS, CUBLASLT,
@@ -183,19 +183,6 @@ def variant_flags(spec: str) -> tuple[str, str]:
   if not re.fullmatch(r"[\w.-]+", name):
     raise ValueError(f"--xla-flags-variants: {spec!r}: the name must be letters, digits, _ . -")
   return name, flags.strip()
-
-
-def log(msg: str) -> None:
-  print(f"[{time.perf_counter() - START:7.1f}s] {msg}", flush=True)
-
-
-def write(a, results: dict) -> None:
-  results["elapsed_s"] = time.perf_counter() - START
-  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  tmp = f"{a.out}.tmp"
-  with open(tmp, "w") as f:
-    json.dump(results, f, indent=1)
-  os.replace(tmp, a.out)
 
 
 # ---- reading a trace ---------------------------------------------------------------------------
@@ -516,7 +503,7 @@ def run_variant(a) -> None:
   log(f"{a.variant}: {info['device_kind']} ({info['platform']}), copy bandwidth "
       f"{bandwidth:.0f} GB/s, XLA_FLAGS={info['xla_flags']!r}")
   for shape in a.shapes:
-    if time.perf_counter() - START > a.budget_s:
+    if time.perf_counter() - bench_gpu.START > a.budget_s:
       emit(SKIP, {"variant": a.variant, "what": f"{shape} (every batch)"})
       continue
     t0 = time.perf_counter()
@@ -525,7 +512,7 @@ def run_variant(a) -> None:
     log(f"{shape}: {model.cfg.num_params() / 1e9:.3f}B parameters built in "
         f"{time.perf_counter() - t0:.1f} s")
     for b in a.batches:
-      if time.perf_counter() - START > a.budget_s:
+      if time.perf_counter() - bench_gpu.START > a.budget_s:
         emit(SKIP, {"variant": a.variant, "what": f"{shape} batch {b}"})
         continue
       row = profile_row(a, shape, model, graphdef, params, b, bandwidth)
@@ -552,7 +539,7 @@ def child_env(a, flags: str) -> dict:
 def run_child(a, argv: list[str], name: str, flags: str, trace_root: str, results: dict) -> None:
   """Run one variant's process, echo its log, merge its rows into `results` (written after each),
   record how it ended."""
-  left = a.budget_s - (time.perf_counter() - START)
+  left = a.budget_s - (time.perf_counter() - bench_gpu.START)
   cmd = [sys.executable, os.path.abspath(__file__), *argv, "--variant", name,
          "--trace-run-dir", trace_root, "--budget-s", f"{left:.1f}"]
   env = child_env(a, flags)
@@ -645,7 +632,7 @@ def run_parent(a, argv: list[str]) -> dict:
   write(a, results)
   try:
     for name, flags in a.variants:
-      if time.perf_counter() - START > a.budget_s:
+      if time.perf_counter() - bench_gpu.START > a.budget_s:
         log(f"skipped variant {name}: over --budget-s {a.budget_s:.0f}")
         results["skipped"].append({"variant": name, "what": "every row"})
         continue
@@ -664,6 +651,7 @@ def main(argv=None) -> dict | None:
   """The parent (no --variant) runs a process per variant and never touches a device itself
   (the GPU's memory is the measuring process's); a child (--variant) measures its rows."""
   argv = list(sys.argv[1:] if argv is None else argv)
+  bench_gpu.START = time.perf_counter()  # the clock of log, write and the budget: this run's
   a = parse_args(argv)
   if a.variant:
     if not a.trace_run_dir:

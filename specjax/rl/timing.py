@@ -13,6 +13,8 @@ from typing import Any
 
 import jax
 
+from specjax.sampling.engine.programs import compile_seconds
+
 PHASES = ("data", "prepare", "gen", "reward", "logprob", "train")
 
 
@@ -26,29 +28,6 @@ class _Phase:
     return tree
 
 
-class CompileClock:
-  """Seconds XLA has spent compiling (or loading from the persistent compilation cache) in this
-  process, every program counted: JAX reports each compile to process-wide listeners, so there
-  is one clock per process (`COMPILE_CLOCK`), listening from its first reading, not from import."""
-
-  def __init__(self):
-    self.seconds = 0.0
-    self._listening = False
-
-  def read(self) -> float:
-    if not self._listening:
-      self._listening = True
-      jax.monitoring.register_event_duration_secs_listener(self._on_event)
-    return self.seconds
-
-  def _on_event(self, event: str, secs: float, **kwargs) -> None:
-    if event == "/jax/core/compile/backend_compile_duration":
-      self.seconds += secs
-
-
-COMPILE_CLOCK = CompileClock()
-
-
 def peak_device_bytes() -> int | None:
   """The largest device memory in use so far on this process's first device (the allocator's
   own figure), or None where the backend keeps none (the CPU)."""
@@ -59,7 +38,7 @@ def peak_device_bytes() -> int | None:
 
 class PhaseTimer:
   """Accumulates seconds per phase for the current step and over the whole run, and the seconds
-  of compiling from a step's first phase to its end (`COMPILE_CLOCK`; runs that take turns in
+  of compiling from a step's first phase to its end (`compile_seconds`; runs that take turns in
   one process never overlap in time, so each step's compiles are its own)."""
 
   def __init__(self):
@@ -67,13 +46,13 @@ class PhaseTimer:
     self.totals: dict[str, float] = defaultdict(float)
     self.steps = 0
     self.first_step: dict[str, float] = {}  # compilation lands here
-    self._compiled_at = COMPILE_CLOCK.read()
+    self._compiled_at = compile_seconds()
 
   @contextlib.contextmanager
   def phase(self, name: str):
     p = _Phase()
     if not self.step_times:  # a step's first phase: its compiles count from here
-      self._compiled_at = COMPILE_CLOCK.read()
+      self._compiled_at = compile_seconds()
     t0 = time.perf_counter()
     try:
       yield p
@@ -90,7 +69,7 @@ class PhaseTimer:
     out: dict[str, Any] = {f"time/{k}": v for k, v in self.step_times.items()}
     out["time/step"] = sum(self.step_times.values())
     out["perf/compile_step"] = self.steps == 0
-    out["perf/compile_s"] = COMPILE_CLOCK.read() - self._compiled_at
+    out["perf/compile_s"] = compile_seconds() - self._compiled_at
     peak = peak_device_bytes()
     if peak is not None:
       out["perf/peak_device_gib"] = peak / 2**30

@@ -65,8 +65,9 @@ finish_jit = jax.jit(finish, static_argnames=("cfg",))
 
 class ProgramCount:
   """How many of the engine's programs XLA has compiled, or loaded from the persistent
-  compilation cache, in this process since the engine first ran or was first asked. JAX reports
-  every compile to process-wide listeners, so there is one count per process (`PROGRAMS`); its
+  compilation cache, in this process since the engine first ran or was first asked, and the
+  seconds every program's compile took (`seconds`, the engine's or not). JAX reports every
+  compile to process-wide listeners, so there is one count per process (`PROGRAMS`); its
   listener is registered then (`listen`), not when this module is imported."""
 
   NAMES = frozenset(f"jit({name})" for name in (  # the engine's programs, as XLA names them
@@ -75,6 +76,7 @@ class ProgramCount:
 
   def __init__(self):
     self.count = 0
+    self.seconds = 0.0
     self._listening = False
 
   def listen(self) -> None:
@@ -82,10 +84,11 @@ class ProgramCount:
       self._listening = True
       jax.monitoring.register_event_duration_secs_listener(self._on_event)
 
-  def _on_event(self, event: str, *args, fun_name: str = "", **kwargs) -> None:
+  def _on_event(self, event: str, secs: float, *args, fun_name: str = "", **kwargs) -> None:
     # (the event covers a compile and a load from the persistent cache alike)
-    if event == "/jax/core/compile/backend_compile_duration" and fun_name in self.NAMES:
-      self.count += 1
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.seconds += secs
+      self.count += fun_name in self.NAMES
 
 
 PROGRAMS = ProgramCount()
@@ -97,6 +100,13 @@ def compiled_programs() -> int:
   compaction's gathers, summaries and write-backs, and the queue's harvests and admissions."""
   PROGRAMS.listen()
   return PROGRAMS.count
+
+
+def compile_seconds() -> float:
+  """Seconds XLA has spent compiling (or loading from the persistent compilation cache) every
+  program of this process since this was first asked, or the engine first ran."""
+  PROGRAMS.listen()
+  return PROGRAMS.seconds
 
 
 def program_statics(engine: EngineConfig) -> tuple:
