@@ -824,7 +824,9 @@ def write(a, results: dict) -> None:
 
 
 def main(argv=None) -> dict:
+  global START
   a = parse_args(argv)
+  START = time.perf_counter()  # the clock of log, over_budget and write: this run's, not the import's
   results = {"device": device_info(), "args": vars(a),
              "command": "python experiments/bench_gpu.py " +
                         " ".join(sys.argv[1:] if argv is None else argv)}

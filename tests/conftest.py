@@ -2,6 +2,7 @@
 imported anywhere). The repository root is importable so that tests can use the scaffolding in
 `experiments/` (`from experiments import toy`)."""
 
+import logging
 import os
 import shutil
 import sys
@@ -60,3 +61,16 @@ def _free_compiled_programs():
   the rollout engine compiles a program per (bucket, draft length), so memory would only grow."""
   yield
   jax.clear_caches()
+
+
+@pytest.fixture(autouse=True)
+def _restore_package_logger():
+  """A test that runs a script's main in this process leaves the package logger as scripts set it
+  (`jobs.console.setup_logging`: its own stdout handler, no propagation), which would hide later
+  tests' log lines from pytest's `caplog`: restore it after every test."""
+  logger = logging.getLogger("specjax")
+  saved = (logger.level, list(logger.handlers), logger.propagate)
+  yield
+  logger.setLevel(saved[0])
+  logger.handlers[:] = saved[1]
+  logger.propagate = saved[2]
