@@ -411,6 +411,8 @@ def test_a_draft_tree_over_pages_scores_and_keeps_its_path_as_the_dense_cache(ta
   forward does too. Without the tree mask, or without the move, it would not. `sharded`: the
   pool split over 4 data-parallel replicas (and kv heads over 2), each row on its replica's
   pages, the tree's attention and the move run per replica."""
+  forward = nnx.jit(lambda m, tokens, cache, tree=None: m(tokens, cache=cache, tree=tree),
+                    static_argnames="tree")  # (one program per call shape, not one per op)
   rng = np.random.default_rng(1)
   mesh = make_mesh(MeshConfig(4, 1, 2)) if sharded else None
   model = shard_model(nnx.clone(target), mesh) if sharded else target
@@ -420,15 +422,15 @@ def test_a_draft_tree_over_pages_scores_and_keeps_its_path_as_the_dense_cache(ta
     table[r, :6] = 8 * r + rng.permutation(8)[:6]
   pool = PagedKV.create(CFG.num_layers, 32, PAGE, 4, 8, CFG.num_kv_heads, CFG.head_dim,
                         mesh=mesh).with_page_table(table)
-  dense, paged_ = target(tokens, cache=target.init_cache(4, 32)), model(tokens, cache=pool)
+  dense, paged_ = forward(target, tokens, target.init_cache(4, 32)), forward(model, tokens, pool)
   tree = DraftTree(3, 3)
   nodes = jnp.asarray(rng.integers(1, 32, (4, tree.nodes)), jnp.int32)
   start = jnp.array([7, 5, 3, 6])
-  a = target(nodes, cache=dense.cache.advance(start), tree=tree)
-  b = model(nodes, cache=paged_.cache.advance(start), tree=tree)
+  a = forward(target, nodes, dense.cache.advance(start), tree)
+  b = forward(model, nodes, paged_.cache.advance(start), tree)
   np.testing.assert_allclose(a.logits, b.logits, rtol=1e-5, atol=1e-5)
   if not sharded:
-    chain = target(nodes, cache=paged_.cache.advance(start))
+    chain = forward(target, nodes, paged_.cache.advance(start))
     assert np.abs(chain.logits - b.logits).max() > 1e-2  # (the tree mask matters)
   # row 0 the whole chain; row 1 depth 1's second alternative (node 5; an alternative is a
   # leaf); row 2 the chain's first draft, then depth 2's second alternative (node 7); row 3
@@ -436,11 +438,11 @@ def test_a_draft_tree_over_pages_scores_and_keeps_its_path_as_the_dense_cache(ta
   path = jnp.array([[0, 1, 2, 3], [0, 5, 0, 0], [0, 1, 7, 0], [0, 1, 2, 8]], jnp.int32)
   kept = jnp.array([4, 2, 3, 4])  # positions each row commits of its path
   nxt = jnp.asarray(rng.integers(1, 32, (4, 2)), jnp.int32)
-  a = target(nxt, cache=a.cache.keep_path(path, tree.nodes).advance(kept))
-  moved = model(nxt, cache=b.cache.keep_path(path, tree.nodes).advance(kept))
+  a = forward(target, nxt, a.cache.keep_path(path, tree.nodes).advance(kept))
+  moved = forward(model, nxt, b.cache.keep_path(path, tree.nodes).advance(kept))
   np.testing.assert_allclose(a.logits, moved.logits, rtol=1e-5, atol=1e-5)
   if not sharded:
-    unmoved = target(nxt, cache=b.cache.advance(kept))
+    unmoved = forward(target, nxt, b.cache.advance(kept))
     assert np.abs(unmoved.logits - moved.logits)[1:].max() > 1e-2  # (the move matters)
 
 
