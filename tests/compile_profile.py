@@ -1,6 +1,6 @@
 """Where the test suite's time goes: a pytest plugin that counts, per test, the programs XLA
-compiled and the seconds it took (JAX's backend-compile events, summed over threads), by program
-name; each process writes one JSON file, and this module run as a script prints the table.
+compiled and the seconds it took, by program name (the engine's process-wide compile listener,
+`specjax.sampling.engine.programs.PROGRAMS.by_name`: seconds summed over threads); each process writes one JSON file, and this module run as a script prints the table.
 
   python -m pytest -p tests.compile_profile --compile-profile runs/compile_profile -n 2 tests
   python tests/compile_profile.py runs/compile_profile
@@ -13,41 +13,32 @@ import glob
 import json
 import os
 import sys
-import threading
 import time
 
-_EVENT = "/jax/core/compile/backend_compile_duration"
-_lock = threading.Lock()
-_current = {"test": None}
-_tests: dict = {}  # nodeid -> {"wall_s", "compile_s", "programs", "by_name": {name: [s, n]}}
+# names JAX gives a lax primitive or a jnp function called outside jit (`jit(add)`, `jit(_where)`)
+_PRIMITIVES = {"add", "multiply", "mul", "subtract", "divide", "broadcast_in_dim", "concatenate",
+               "transpose", "reshape", "dynamic_slice", "dynamic_update_slice", "gather",
+               "scatter", "rsqrt", "split", "convert_element_type", "iota", "select_n",
+               "dot_general", "exp", "tanh", "equal", "squeeze", "slice", "remainder",
+               "integer_pow", "max", "min", "log", "logistic", "sqrt", "pad", "clamp", "ne",
+               "lt", "gt", "sign", "abs", "neg"}
 
 
 def _eager(name: str) -> bool:
+  """A program compiled op by op: unnamed, or named after one primitive or jnp function."""
   inner = name[4:-1] if name.startswith("jit(") and name.endswith(")") else name
-  return inner == "<unnamed function>" or inner.startswith("_") or inner.isidentifier() and (
-      inner in _PRIMITIVES)
+  return inner == "<unnamed function>" or inner.startswith("_") or inner in _PRIMITIVES
 
 
-_PRIMITIVES = {"add", "multiply", "subtract", "divide", "broadcast_in_dim", "concatenate",
-               "transpose", "reshape", "dynamic_slice", "dynamic_update_slice", "gather", "scatter",
-               "rsqrt", "split", "convert_element_type", "iota", "select_n", "dot_general", "exp",
-               "tanh", "equal", "squeeze", "slice", "remainder", "integer_pow", "max", "min",
-               "reduce_max", "reduce_sum", "argmax", "cumsum", "log", "logistic", "sqrt", "pad",
-               "unstack", "ravel", "clamp", "ne", "lt", "gt", "sign", "abs", "neg"}
+_tests: dict = {}  # nodeid -> {"wall_s", "compile_s", "programs", "by_name": {name: [s, n]}}
+_start: dict = {}  # nodeid -> (wall clock, PROGRAMS.by_name as it was)
+_profiling = {"on": False}
 
 
-def _listener(event: str, duration: float, **kwargs) -> None:
-  test = _current["test"]
-  if event != _EVENT or test is None:
-    return
-  name = kwargs.get("fun_name") or "?"
-  with _lock:
-    rec = _tests.setdefault(test, {"wall_s": 0.0, "compile_s": 0.0, "programs": 0, "by_name": {}})
-    rec["compile_s"] += duration
-    rec["programs"] += 1
-    by = rec["by_name"].setdefault(name, [0.0, 0])
-    by[0] += duration
-    by[1] += 1
+def _programs():
+  from specjax.sampling.engine.programs import PROGRAMS  # (the process's one compile listener)
+  PROGRAMS.listen()
+  return PROGRAMS
 
 
 def pytest_addoption(parser):
@@ -55,34 +46,40 @@ def pytest_addoption(parser):
                    help="write each process's compile profile (JSON) into DIR")
 
 
-def pytest_configure(config):
-  if config.getoption("--compile-profile"):
-    from jax._src import monitoring
-    monitoring.register_event_duration_secs_listener(_listener)
-
-
 def pytest_runtest_logstart(nodeid, location):
-  _current["test"] = nodeid
-  with _lock:
-    _tests.setdefault(nodeid, {"wall_s": 0.0, "compile_s": 0.0, "programs": 0, "by_name": {}})
-    _tests[nodeid]["start"] = time.perf_counter()
+  if _profiling["on"]:
+    _start[nodeid] = (time.perf_counter(),
+                      {k: tuple(v) for k, v in _programs().by_name.items()})
 
 
 def pytest_runtest_logfinish(nodeid, location):
-  with _lock:
-    rec = _tests.get(nodeid)
-    if rec is not None and "start" in rec:
-      rec["wall_s"] = time.perf_counter() - rec.pop("start")
-  _current["test"] = None
+  if nodeid not in _start:
+    return
+  t0, before = _start.pop(nodeid)
+  by_name = {}
+  for name, (s, n) in list(_programs().by_name.items()):
+    s0, n0 = before.get(name, (0.0, 0))
+    if n > n0:
+      by_name[name] = [s - s0, n - n0]
+  _tests[nodeid] = {"wall_s": time.perf_counter() - t0,
+                    "compile_s": sum(s for s, _ in by_name.values()),
+                    "programs": sum(n for _, n in by_name.values()), "by_name": by_name}
+
+
+def pytest_configure(config):
+  # (pytest-xdist's controller runs no test: its workers profile theirs)
+  controller = bool(getattr(config.option, "numprocesses", None)) and \
+      not hasattr(config, "workerinput")
+  _profiling["on"] = bool(config.getoption("--compile-profile")) and not controller
 
 
 def pytest_sessionfinish(session):
   out = session.config.getoption("--compile-profile")
-  if not out or not _tests or session.config.pluginmanager.hasplugin("dsession"):
-    return  # (pytest-xdist's controller runs no test: its workers write theirs)
-  worker = os.environ.get("PYTEST_XDIST_WORKER")
+  if not out or not _tests:
+    return
+  worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
   os.makedirs(out, exist_ok=True)
-  path = os.path.join(out, f"compile-profile-{worker or 'main'}-{os.getpid()}.json")
+  path = os.path.join(out, f"compile-profile-{worker}-{os.getpid()}.json")
   with open(f"{path}.tmp", "w") as f:
     json.dump(_tests, f, indent=1)
   os.replace(f"{path}.tmp", path)
@@ -124,9 +121,9 @@ def main(argv: list[str]) -> None:
   for name, r in rows:
     print(f"{name:44s} {r['tests']:5d} {r['wall_s']:8.1f} {r['compile_s']:9.1f} "
           f"{r['programs']:8d} {r['eager_s']:7.1f} {r['eager_programs']:6d}")
-  print(f"\n{'program':44s} {'compile s':>9s} {'count':>6s}")
+  print(f"\n{'program':44s} {'compile s':>9s} {'count':>6s} {'s each':>6s}")
   for name, r in s["programs"].items():
-    print(f"{name:44s} {r['compile_s']:9.1f} {r['count']:6d}")
+    print(f"{name:44s} {r['compile_s']:9.1f} {r['count']:6d} {r['compile_s'] / r['count']:6.2f}")
   with open(os.path.join(argv[0], "summary.json"), "w") as f:
     json.dump(s, f, indent=1)
 

@@ -66,7 +66,8 @@ finish_jit = jax.jit(finish, static_argnames=("cfg",))
 class ProgramCount:
   """How many of the engine's programs XLA has compiled, or loaded from the persistent
   compilation cache, in this process since the engine first ran or was first asked, and the
-  seconds every program's compile took (`seconds`, the engine's or not). JAX reports every
+  seconds every program's compile took (`seconds`, the engine's or not; `by_name`: seconds and
+  count per program name, as XLA names them). JAX reports every
   compile to process-wide listeners, so there is one count per process (`PROGRAMS`); its
   listener is registered then (`listen`), not when this module is imported."""
 
@@ -77,6 +78,7 @@ class ProgramCount:
   def __init__(self):
     self.count = 0
     self.seconds = 0.0
+    self.by_name: dict[str, list] = {}  # name -> [seconds, count]
     self._listening = False
 
   def listen(self) -> None:
@@ -89,6 +91,9 @@ class ProgramCount:
     if event == "/jax/core/compile/backend_compile_duration":
       self.seconds += secs
       self.count += fun_name in self.NAMES
+      rec = self.by_name.setdefault(fun_name, [0.0, 0])
+      rec[0] += secs
+      rec[1] += 1
 
 
 PROGRAMS = ProgramCount()
