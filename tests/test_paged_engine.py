@@ -18,8 +18,9 @@ from flax import nnx
 from test_queue import (CFG, GREEDY, PROMPT_LENGTHS, PROMPTS,
                         assert_nothing_compiles_after_the_first_rollout, assert_same_rollout)
 
-from specjax.drafters import (DraftModelDrafter, NgramDrafter, eagle3_drafter, identity_maps,
-                              init_head, mtp_drafter, truncated_copy)
+from specjax.drafters import (DraftModelDrafter, HistoryDrafter, HistoryParams, HistoryStore,
+                              NgramDrafter, eagle3_drafter, identity_maps, init_head, mtp_drafter,
+                              truncated_copy)
 from specjax.models import Decoder
 from specjax.models.paged import PagedKV
 from specjax.models.tree import DraftTree
@@ -123,16 +124,24 @@ def test_greedy_paged_queue_equals_the_plain_loop(target, static_ar, page_checks
     assert swaps == 0
 
 
-@pytest.mark.parametrize("kind", ["draft_model", "ngram", "adaptive", "eagle3"])
+@pytest.mark.parametrize("kind", ["draft_model", "ngram", "adaptive", "eagle3", "eagle3_history"])
 def test_greedy_paged_speculative_equals_the_plain_loop(target, static_ar, page_checks, kind):
   """`adaptive`: the draft model with K chosen per segment, so calibration's dry segments step
   the paged state (pool and page tables) and give it back. `eagle3`: an (untrained) EAGLE-3
-  head, its one-layer cache on the target's pages."""
+  head, its one-layer cache on the target's pages. `eagle3_history`: the history drafter over
+  that head, its history holding half of the rows' own completions (the head drafts the rest):
+  the head's cache on the target's pages as well."""
   if kind in ("draft_model", "adaptive"):  # a copy of the target: every draft accepted
     drafter, params = DraftModelDrafter.from_model(target, 3)
-  elif kind == "eagle3":
+  elif kind.startswith("eagle3"):
     drafter, params = eagle3_drafter(init_head(CFG, seed=3), target.embed[...],
                                      identity_maps(CFG.vocab_size), draft_len=3)
+    if kind == "eagle3_history":
+      store = HistoryStore(max_prompts=16, per_prompt=2, width=32, tail=3)
+      store.record(*jax.device_get((PROMPTS[::2], PROMPT_LENGTHS[::2], static_ar.tokens[::2],
+                                    static_ar.lengths[::2])))
+      drafter = HistoryDrafter(draft_len=3, n=3, min_match=2, inner=drafter)
+      params = HistoryParams(table=store.table(), inner=params)
   else:
     drafter, params = NgramDrafter(draft_len=3, n=2), ()
   out = speculative_generate(target, drafter, params, PROMPTS, PROMPT_LENGTHS, jax.random.key(1),

@@ -173,6 +173,11 @@ class HistoryDrafter(Drafter):
   def row_local(self) -> bool:
     return self.inner is None or self.inner.row_local
 
+  def page_layout(self, params: HistoryParams):
+    # the inner drafter's KV cache (an EAGLE-3 head's, a draft model's), if it keeps one, is the
+    # state's one cache: a paged engine keeps it on the target's pages as the inner drafter's own
+    return None if self.inner is None else self._inner().page_layout(params.inner)
+
   def init(self, params: HistoryParams, batch: int, cache_size: int) -> HistoryState:
     _, h, w = params.table.tokens.shape
     inner = self._inner()
