@@ -2,6 +2,7 @@
 imported anywhere). The repository root is importable so that tests can use the scaffolding in
 `experiments/` (`from experiments import toy`)."""
 
+import importlib.metadata
 import logging
 import os
 import shutil
@@ -9,11 +10,16 @@ import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# The tests' programs are tiny and compiling them is most of the suite's time: with LLVM at -O1 a
-# test file takes a fifth to a quarter less time, the whole suite 0.82x (docs/BENCHMARKS.md, "Test
-# suite wall time"). A flag the caller set wins.
+# The tests' programs are tiny and compiling them is most of the suite's time: LLVM at -O0 with
+# XLA's older CPU fusion emitters compiles the engine's segment programs in about a third of
+# -O1's time, and the suite takes about half as long, though kernels run slower in the few tests
+# with large batches (docs/BENCHMARKS.md, "Test suite wall time"). The emitter flag is measured
+# on jaxlib 0.10, and XLA stops at startup on a flag it does not know, so a later jaxlib runs at
+# -O0 alone. A flag the caller set wins.
 _TEST_XLA_FLAGS = {"xla_force_host_platform_device_count": "8",
-                   "xla_backend_optimization_level": "1"}
+                   "xla_backend_optimization_level": "0"}
+if importlib.metadata.version("jaxlib").startswith("0.10."):
+  _TEST_XLA_FLAGS["xla_cpu_use_fusion_emitters"] = "false"
 _flags = os.environ.get("XLA_FLAGS", "")
 for _name, _value in _TEST_XLA_FLAGS.items():
   if _name not in _flags:

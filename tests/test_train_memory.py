@@ -127,5 +127,8 @@ def test_donated_step_equals_the_undonated_step(setup):
   want, _ = trainer.step(state, batch)
   copy = jax.tree.map(jnp.copy, state)
   got, _ = trainer.step(copy, batch, donate=True)
-  _close(got.params, want.params, 0)
-  _close(got.opt_state, want.opt_state, 0)
+  # two programs, compiled apart: XLA may order a fused reduction differently in each (at the
+  # tests' compile flags the parameters differ by a few 1e-9), while a donated buffer read
+  # after its update would differ by whole updates
+  _close(got.params, want.params, 1e-7)
+  _close(got.opt_state, want.opt_state, 1e-7)
