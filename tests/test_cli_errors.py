@@ -1,7 +1,11 @@
 """A user's mistake on a job's command line (a dataset, a checkpoint, a value, a path, a config
 file, a memory budget) ends in one line on stderr that names the culprit and exit code 2, within
 seconds (before anything is compiled) and without a traceback; nothing is written into an
-existing run directory. --debug or SPECJAX_DEBUG=1 shows the traceback."""
+existing run directory. --debug or SPECJAX_DEBUG=1 shows the traceback.
+
+Most mistakes run the job's `main` in this process, as its command line does (`run_main`: the
+exit code is its `SystemExit`'s, stderr what it wrote): a new process would spend its seconds
+importing jax. A few run the script itself in a new process, for what only a process shows."""
 
 import hashlib
 import json
@@ -9,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -31,11 +36,34 @@ def _run(script: str, args: list[str], tmp_path, env: dict | None = None):
                         env=env, capture_output=True, text=True, timeout=300)
 
 
-def _rl_zero(tmp_path, *, model=QWEN3, dataset=GSM8K, out=None, extra=()):
+@pytest.fixture
+def in_process(tmp_path, monkeypatch, capsys):
+  """Runs `rl_zero.py`'s main in this process as its command line does: (exit code, stderr)."""
+  from experiments import rl_zero
+  from specjax.jobs.console import run_main
+
+  monkeypatch.setenv("SPECJAX_COST_CACHE", str(tmp_path / "costs.json"))
+  monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+  monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
+
+  def run(args):
+    capsys.readouterr()
+    try:
+      run_main(rl_zero.main, args)
+      code = 0
+    except SystemExit as e:
+      code = e.code
+    return types.SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+  return run
+
+
+def _rl_zero(tmp_path, *, model=QWEN3, dataset=GSM8K, out=None, extra=(), run=None):
+  """The job on a mistake's arguments: through `run` (the `in_process` fixture), or without it
+  as a new process."""
   args = ["--model-path", str(model), "--dataset", str(dataset), *TINY,
           "--out-dir", str(out or tmp_path / "runs"), "--cache-dir", str(tmp_path / "cache"),
           *extra]
-  return _run("rl_zero.py", args, tmp_path)
+  return _run("rl_zero.py", args, tmp_path) if run is None else run(args)
 
 
 def _assert_user_error(proc, culprit: str) -> str:
@@ -211,7 +239,15 @@ MISTAKES = [_broken_json_line, _empty_dataset, _missing_field, _wrong_type, _row
 
 
 @pytest.mark.parametrize("mistake", MISTAKES, ids=lambda m: m.__name__.strip("_"))
-def test_a_mistake_is_one_line_naming_the_culprit_and_exit_code_2(tmp_path, mistake):
+def test_a_mistake_is_one_line_naming_the_culprit_and_exit_code_2(tmp_path, mistake, in_process):
+  kw, culprit = mistake(tmp_path)
+  _assert_user_error(_rl_zero(tmp_path, **kw, run=in_process), culprit)
+
+
+@pytest.mark.parametrize("mistake", [_bad_value, _broken_json_line],
+                         ids=lambda m: m.__name__.strip("_"))
+def test_the_script_in_a_new_process_ends_a_mistake_in_one_line_and_exit_code_2(tmp_path,
+                                                                                mistake):
   kw, culprit = mistake(tmp_path)
   _assert_user_error(_rl_zero(tmp_path, **kw), culprit)
 
@@ -246,7 +282,7 @@ def _tree(path) -> dict[str, str]:
                                            ("--fresh", _damaged_safetensors)],
                          ids=["resume-dataset", "resume-kv-budget", "fresh-checkpoint"])
 def test_a_mistake_on_resume_or_fresh_leaves_the_run_directory_byte_identical(tmp_path, flag,
-                                                                             mistake):
+                                                                             mistake, in_process):
   run = tmp_path / "runs" / "rl_zero"
   for name, text in {"summary.json": '{"runs": {}}\n', "spec/metrics.jsonl": '{"step": 1}\n',
                      "spec/checkpoints/1/state": "state", "spec/engine_tuning.json": "{}",
@@ -256,7 +292,7 @@ def test_a_mistake_on_resume_or_fresh_leaves_the_run_directory_byte_identical(tm
   before = _tree(tmp_path / "runs")
   kw, culprit = mistake(tmp_path)
   kw["extra"] = [*kw.get("extra", ()), flag]
-  _assert_user_error(_rl_zero(tmp_path, **kw), culprit)
+  _assert_user_error(_rl_zero(tmp_path, **kw, run=in_process), culprit)
   assert _tree(tmp_path / "runs") == before
 
 
