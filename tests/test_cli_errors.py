@@ -27,9 +27,14 @@ TINY = ["--rl.draft.kind", "ngram", "--rl.draft.no-online", "--rl.prompts-per-st
 ROW = {"question": "what is 1 plus 1 ?", "answer": "1 plus 1 is 2 . #### 2"}
 
 
+def _job_env(tmp_path) -> dict[str, str]:
+  """A job's files of its own under tmp_path: the engine's cost cache, datasets' cache."""
+  return {"SPECJAX_COST_CACHE": str(tmp_path / "costs.json"),
+          "HF_DATASETS_CACHE": str(tmp_path / "hf-datasets")}
+
+
 def _run(script: str, args: list[str], tmp_path, env: dict | None = None):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", SPECJAX_COST_CACHE=str(tmp_path / "costs.json"),
-             HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"), **(env or {}))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **_job_env(tmp_path), **(env or {}))
   if "SPECJAX_DEBUG" not in (env or {}):
     env.pop("SPECJAX_DEBUG", None)
   return subprocess.run([sys.executable, os.path.join("experiments", script), *args], cwd=ROOT,
@@ -42,8 +47,8 @@ def in_process(tmp_path, monkeypatch, capsys):
   from experiments import rl_zero
   from specjax.jobs.console import run_main
 
-  monkeypatch.setenv("SPECJAX_COST_CACHE", str(tmp_path / "costs.json"))
-  monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-datasets"))
+  for name, value in _job_env(tmp_path).items():
+    monkeypatch.setenv(name, value)
   monkeypatch.delenv("SPECJAX_DEBUG", raising=False)
 
   def run(args):
